@@ -1,0 +1,121 @@
+"""The ``extproc`` command: flags -> validated settings -> the subcommand's async main.
+
+Exit codes: 0 clean stop, 1 runtime failure (e.g. the catalog source cannot be read),
+2 bad flags or settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+import uvloop
+
+from extproc import __version__
+from extproc.errors import ConfigError, ExtprocError
+from extproc.settings import ServeSettings, SourceSettings
+from extproc.telemetry import configure_logging
+
+log = logging.getLogger("extproc")
+
+
+def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run the ext_proc gRPC server that picks an endpoint per request")
+    p.add_argument("--source", required=True, help="where worker sets come from: file:PATH (multi-document YAML)")
+    p.add_argument("--source-poll-interval", type=float, default=1.0, help="seconds between file checks (1)")
+    p.add_argument("--listen", default="127.0.0.1:9002", help="gRPC ext_proc + health address (127.0.0.1:9002)")
+    p.add_argument(
+        "--admin-listen", default="127.0.0.1:9090", help="/metrics and /debug/state address (127.0.0.1:9090)"
+    )
+    p.add_argument(
+        "--max-body-bytes", type=int, default=16 * 1024 * 1024, help="larger bodies get 413 (16 MiB)"
+    )
+    p.add_argument(
+        "--max-fallbacks",
+        type=int,
+        default=2,
+        help="fallback endpoints after the pick (2); use 0 behind an ORIGINAL_DST cluster",
+    )
+    p.add_argument("--drain-seconds", type=float, default=5.0, help="grace for open streams on stop (5)")
+    p.add_argument("--seed", type=int, default=None, help="seed tie-breaking randomness (for tests)")
+
+
+def _serve_settings(args: argparse.Namespace) -> ServeSettings:
+    return ServeSettings(
+        source=SourceSettings.parse(args.source, poll_interval=args.source_poll_interval),
+        listen=args.listen,
+        admin_listen=args.admin_listen,
+        max_body_bytes=args.max_body_bytes,
+        max_fallbacks=args.max_fallbacks,
+        drain_seconds=args.drain_seconds,
+        seed=args.seed,
+    )
+
+
+async def _run_serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    from extproc.server.app import serve
+
+    await serve(_serve_settings(args), stop=stop)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="extproc", description="Envoy ext_proc router for LLM inference pools")
+    parser.add_argument("--version", action="version", version=f"extproc {__version__}")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    from extproc.demo.run import add_demo_parser
+
+    add_demo_parser(sub)
+    return parser
+
+
+def _install_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """First SIGINT/SIGTERM drains and stops; a second one exits at once."""
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            log.warning("second signal, exiting now")
+            raise SystemExit(130)
+        log.info("signal=%s stopping", signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal, signum)
+
+
+def run_async(main: Callable[[asyncio.Event], Coroutine[Any, Any, None]]) -> None:
+    """Run ``main(stop)`` on uvloop with signal handling."""
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        _install_signals(asyncio.get_running_loop(), stop)
+        await main(stop)
+
+    uvloop.run(runner())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    handler: Callable[[argparse.Namespace, asyncio.Event], Coroutine[Any, Any, None]]
+    handler = _run_serve if args.command == "serve" else args.handler
+    try:
+        run_async(lambda stop: handler(args, stop))
+    except ConfigError as exc:
+        print(f"extproc: {exc}", file=sys.stderr)
+        return 2
+    except ExtprocError as exc:
+        print(f"extproc: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""From a model name to an ordered list of endpoints: resolve, filter, pick.
+
+The scheduler reads the current catalog snapshot and the in-flight counts synchronously; nothing
+awaits in the middle of a decision, so a decision always sees one consistent catalog.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from extproc.catalog.model import Catalog, Endpoint, Route
+from extproc.errors import ModelNotFound, NoReadyEndpoint
+from extproc.scheduling.inflight import InFlight, Lease
+from extproc.scheduling.picker import filter_subset, pick_endpoints
+from extproc.types import EndpointAddress
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where one request goes."""
+
+    #: None for requests routed without a model (bodiless requests).
+    route: Route | None
+    #: The pick first, then fallbacks; never empty.
+    endpoints: tuple[Endpoint, ...]
+
+    @property
+    def destination(self) -> str:
+        """The ``x-gateway-destination-endpoint`` value: an ordered comma list."""
+        return ",".join(e.address for e in self.endpoints)
+
+
+class Scheduler:
+    """Picks endpoints for requests against the catalog the source last published."""
+
+    def __init__(
+        self,
+        catalog: Callable[[], Catalog],
+        inflight: InFlight,
+        *,
+        max_fallbacks: int,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._catalog = catalog
+        self._inflight = inflight
+        self._count = 1 + max_fallbacks
+        self._rng = rng or random.Random()
+
+    def schedule(self, model: str | None, subset: frozenset[str] | None = None) -> Decision:
+        """Decide for a request for ``model`` (None: any endpoint of any worker set)."""
+        catalog = self._catalog()
+        route: Route | None = None
+        if model is None:
+            candidates: Sequence[Endpoint] = _all_endpoints(catalog)
+            wanted = "this request"
+        else:
+            route = catalog.resolve(model)
+            if route is None:
+                raise ModelNotFound(f"The model '{model}' does not exist.", param="model")
+            candidates = route.endpoints
+            wanted = f"model '{model}'"
+        if not candidates:
+            raise NoReadyEndpoint(f"no ready endpoint serves {wanted}")
+        if subset is not None:
+            candidates = filter_subset(candidates, subset)
+            if not candidates:
+                raise NoReadyEndpoint(f"no endpoint in the gateway's subset hint serves {wanted}")
+        picked = pick_endpoints(candidates, self._inflight.count, self._rng, count=self._count)
+        return Decision(route=route, endpoints=tuple(picked))
+
+    def acquire(self, address: EndpointAddress) -> Lease:
+        """Count a request against the endpoint it was sent to until the lease is released."""
+        return self._inflight.acquire(address)
+
+    def models(self) -> list[tuple[str, str]]:
+        """Every client-facing model name with the upstream name it resolves to, sorted."""
+        return [(name, route.upstream_model) for name, route in sorted(self._catalog().routes.items())]
+
+
+def _all_endpoints(catalog: Catalog) -> list[Endpoint]:
+    seen: dict[str, Endpoint] = {}
+    for worker_set in catalog.worker_sets.values():
+        for endpoint in worker_set.endpoints:
+            seen.setdefault(endpoint.address, endpoint)
+    return [seen[a] for a in sorted(seen)]

@@ -1,0 +1,158 @@
+"""Wiring for ``extproc serve``: source -> catalog store -> scheduler -> gRPC + admin servers.
+
+:class:`Server` starts and stops everything and owns every background task, so tests and the
+demo run the real thing in-process; :func:`serve` is the CLI's blocking entry point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from typing import Any
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health_pb2_grpc
+
+from extproc import __version__
+from extproc.catalog.model import Catalog
+from extproc.catalog.store import CatalogStore
+from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.scheduler import Scheduler
+from extproc.server.admin import admin_app
+from extproc.server.health import HealthService
+from extproc.server.service import ExternalProcessorService
+from extproc.settings import ServeSettings, parse_host_port
+from extproc.sources.file import FileSource
+from extproc.telemetry import Metrics
+
+log = logging.getLogger(__name__)
+
+#: gRPC message headroom over the body limit (Envoy sends at most one body chunk per message).
+_GRPC_OVERHEAD = 64 * 1024
+
+
+class Server:
+    """A running ``serve``: call :meth:`start`, then :meth:`stop` (or use ``async with``)."""
+
+    def __init__(self, settings: ServeSettings) -> None:
+        self.settings = settings
+        self.store = CatalogStore()
+        self.inflight = InFlight()
+        self.metrics = Metrics()
+        self.source = FileSource(settings.source)
+        self.scheduler = Scheduler(
+            lambda: self.store.current,
+            self.inflight,
+            max_fallbacks=settings.max_fallbacks,
+            rng=random.Random(settings.seed),
+        )
+        self.metrics.watch_state(catalog=lambda: self.store.current, inflight=self.inflight.snapshot)
+        self.grpc_port = 0
+        self.admin_port = 0
+        self._grpc: grpc.aio.Server | None = None
+        self._admin: web.AppRunner | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self._started = time.time()
+
+    async def start(self) -> None:
+        """Load the catalog (failing loudly if it cannot be read), then open both ports."""
+        self.store.publish(await asyncio.to_thread(self.source.load))
+        self._watch = asyncio.create_task(self.source.watch(self._publish), name="catalog-source")
+        await self._start_grpc()
+        await self._start_admin()
+        catalog = self.store.current
+        log.info(
+            "serving grpc=%s:%d admin=%s:%d worker_sets=%d models=%d",
+            parse_host_port(self.settings.listen, what="--listen")[0],
+            self.grpc_port,
+            parse_host_port(self.settings.admin_listen, what="--admin-listen")[0],
+            self.admin_port,
+            len(catalog.worker_sets),
+            len(catalog.routes),
+        )
+
+    def _publish(self, catalog: Catalog) -> None:
+        self.store.publish(catalog)
+        self.metrics.source_reloads.labels("ok").inc()
+        log.info(
+            "catalog reloaded worker_sets=%d models=%d problems=%d conflicts=%d",
+            len(catalog.worker_sets),
+            len(catalog.routes),
+            len(catalog.problems),
+            len(catalog.conflicts),
+        )
+
+    async def _start_grpc(self) -> None:
+        limit = self.settings.max_body_bytes + _GRPC_OVERHEAD
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                # Envoy keeps one HTTP/2 connection with many streams; let it have them.
+                ("grpc.max_concurrent_streams", 10_000),
+            ]
+        )
+        ep_grpc.add_ExternalProcessorServicer_to_server(
+            ExternalProcessorService(self.scheduler, self.metrics, max_body_bytes=self.settings.max_body_bytes),
+            server,
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(HealthService(lambda: self.store.loaded), server)
+        host, port = parse_host_port(self.settings.listen, what="--listen")
+        self.grpc_port = server.add_insecure_port(_join(host, port))
+        await server.start()
+        self._grpc = server
+
+    async def _start_admin(self) -> None:
+        app = admin_app(registry=self.metrics.registry, state=self.debug_state, ready=lambda: self.store.loaded)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        host, port = parse_host_port(self.settings.admin_listen, what="--admin-listen")
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        self._admin = runner
+        sockets = [s for s in runner.addresses]
+        self.admin_port = int(sockets[0][1]) if sockets else port
+
+    def debug_state(self) -> dict[str, Any]:
+        """What ``/debug/state`` shows: the catalog, in-flight counts, and who we are."""
+        return {
+            "version": __version__,
+            "startedAt": self._started,
+            "source": {"kind": self.settings.source.kind, "path": str(self.settings.source.path)},
+            "catalogGeneration": self.store.generation,
+            "catalog": self.store.current.to_debug(),
+            "inflight": dict(sorted(self.inflight.snapshot().items())),
+        }
+
+    async def stop(self) -> None:
+        """Stop taking streams, let open ones finish for ``drain_seconds``, then close."""
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        if self._grpc is not None:
+            await self._grpc.stop(grace=self.settings.drain_seconds)
+        if self._admin is not None:
+            await self._admin.cleanup()
+
+    async def __aenter__(self) -> Server:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve(settings: ServeSettings, *, stop: asyncio.Event) -> None:
+    """Run until ``stop`` is set."""
+    async with Server(settings):
+        await stop.wait()

@@ -1,0 +1,168 @@
+"""Building and reading Envoy ext_proc messages; the only module that knows their field layout.
+
+Everything here is pure: protobuf in, protobuf out, so the stream logic above it stays readable
+and the wire details are tested once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from google.protobuf import struct_pb2
+
+from extproc.errors import RequestError
+from extproc.openai import error_body
+from extproc.pb.envoy.config.core.v3 import base_pb2 as core
+from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from extproc.pb.envoy.type.v3 import http_status_pb2 as http_status
+
+#: The endpoint picker protocol's destination header and envoy.lb metadata key.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+#: Where a gateway puts the GIE subset hint (metadata namespace / key).
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+#: Envoy implementations cap streamed body chunks near 64 KiB; stay under it.
+STREAM_CHUNK_BYTES = 62_000
+
+_OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def header_map(headers: ep.HttpHeaders) -> dict[str, str]:
+    """Headers as a dict with lower-case keys; Envoy sends ``raw_value``, others ``value``."""
+    result: dict[str, str] = {}
+    for header in headers.headers.headers:
+        value = header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
+        result[header.key.lower()] = value
+    return result
+
+
+def subset_hint(request: ep.ProcessingRequest) -> frozenset[str] | None:
+    """The gateway's subset hint (a list or a comma string of ``ip[:port]``), or None if absent."""
+    if not request.HasField("metadata_context"):
+        return None
+    namespace = request.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if namespace is None or SUBSET_KEY not in namespace.fields:
+        return None
+    value = namespace.fields[SUBSET_KEY]
+    entries: list[str] = []
+    if value.HasField("list_value"):
+        entries = [v.string_value for v in value.list_value.values if v.HasField("string_value")]
+    elif value.HasField("string_value"):
+        entries = value.string_value.split(",")
+    return frozenset(e.strip() for e in entries if e.strip())
+
+
+def _destination_mutation(destination: str, extra: dict[str, str]) -> ep.HeaderMutation:
+    mutation = ep.HeaderMutation()
+    for key, value in ((DESTINATION_HEADER, destination), *extra.items()):
+        option = mutation.set_headers.add()
+        option.header.key = key
+        option.header.raw_value = value.encode()
+        option.append_action = _OVERWRITE
+    return mutation
+
+
+def _lb_metadata(destination: str) -> struct_pb2.Struct:
+    metadata = struct_pb2.Struct()
+    metadata.get_or_create_struct(LB_NAMESPACE)[DESTINATION_HEADER] = destination
+    return metadata
+
+
+def routed_headers_response(destination: str, *, extra: dict[str, str]) -> ep.ProcessingResponse:
+    """Answer ``request_headers`` with the destination (bodiless requests, and FULL_DUPLEX)."""
+    response = ep.ProcessingResponse(dynamic_metadata=_lb_metadata(destination))
+    common = response.request_headers.response
+    common.header_mutation.CopyFrom(_destination_mutation(destination, extra))
+    common.clear_route_cache = True
+    return response
+
+
+def routed_body_response(
+    destination: str, *, body: bytes | None, extra: dict[str, str]
+) -> ep.ProcessingResponse:
+    """Answer a BUFFERED ``request_body`` with the destination and, if rewritten, the new body."""
+    response = ep.ProcessingResponse(dynamic_metadata=_lb_metadata(destination))
+    common = response.request_body.response
+    common.header_mutation.CopyFrom(_destination_mutation(destination, extra))
+    common.clear_route_cache = True
+    if body is not None:
+        common.body_mutation.body = body
+    return response
+
+
+def continue_headers() -> ep.ProcessingResponse:
+    response = ep.ProcessingResponse()
+    response.request_headers.SetInParent()
+    return response
+
+
+def continue_body() -> ep.ProcessingResponse:
+    response = ep.ProcessingResponse()
+    response.request_body.SetInParent()
+    return response
+
+
+def continue_trailers() -> ep.ProcessingResponse:
+    response = ep.ProcessingResponse()
+    response.request_trailers.SetInParent()
+    return response
+
+
+def continue_response_headers() -> ep.ProcessingResponse:
+    response = ep.ProcessingResponse()
+    response.response_headers.SetInParent()
+    return response
+
+
+def continue_response_body() -> ep.ProcessingResponse:
+    response = ep.ProcessingResponse()
+    response.response_body.SetInParent()
+    return response
+
+
+def continue_response_trailers() -> ep.ProcessingResponse:
+    response = ep.ProcessingResponse()
+    response.response_trailers.SetInParent()
+    return response
+
+
+def streamed_body(body: bytes, *, end_of_stream: bool) -> Iterator[ep.ProcessingResponse]:
+    """FULL_DUPLEX_STREAMED: hand the (possibly rewritten) body back in chunks Envoy accepts."""
+    view = memoryview(body)
+    offsets = range(0, len(body), STREAM_CHUNK_BYTES) if body else range(1)
+    last = offsets[-1]
+    for offset in offsets:
+        response = ep.ProcessingResponse()
+        streamed = response.request_body.response.body_mutation.streamed_response
+        streamed.body = bytes(view[offset : offset + STREAM_CHUNK_BYTES])
+        streamed.end_of_stream = end_of_stream and offset == last
+        yield response
+
+
+def immediate_response(
+    status: int, body: bytes, *, content_type: str = "application/json", details: str = ""
+) -> ep.ProcessingResponse:
+    """End the request here with an HTTP answer of our own."""
+    response = ep.ProcessingResponse()
+    immediate = response.immediate_response
+    immediate.status.code = status  # type: ignore[assignment]  # open enum: any HTTP code
+    option = immediate.headers.set_headers.add()
+    option.header.key = "content-type"
+    option.header.raw_value = content_type.encode()
+    option.append_action = _OVERWRITE
+    immediate.body = body
+    immediate.details = details
+    return response
+
+
+def error_response(error: RequestError) -> ep.ProcessingResponse:
+    """The one mapping from our request errors to what the client sees (OpenAI error shape)."""
+    body = error_body(error.message, error_type=error.error_type, code=error.code, param=error.param)
+    return immediate_response(error.status, body, details=f"extproc_{error.code}")
+
+
+def internal_error_response(request_id: str) -> ep.ProcessingResponse:
+    message = f"internal error in the router (request id {request_id or 'unknown'})"
+    body = error_body(message, error_type="internal_error", code="internal_error")
+    return immediate_response(http_status.InternalServerError, body, details="extproc_internal_error")

@@ -1,0 +1,51 @@
+"""The gRPC ``ExternalProcessor`` service: pumps Envoy's messages through a RequestStream.
+
+The only place where a stream's lifetime is known, so the only place that releases its lease.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from extproc.server import messages
+from extproc.server.stream import RequestStream, Router
+from extproc.telemetry import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
+    """One RequestStream per ext_proc stream; a failure in one never touches another."""
+
+    def __init__(self, router: Router, metrics: Metrics, *, max_body_bytes: int) -> None:
+        self._router = router
+        self._metrics = metrics
+        self._max_body = max_body_bytes
+
+    async def Process(  # noqa: N802  (gRPC method name)
+        self,
+        request_iterator: AsyncIterator[ep.ProcessingRequest],
+        context: grpc.aio.ServicerContext[ep.ProcessingRequest, ep.ProcessingResponse],
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        stream = RequestStream(self._router, self._metrics, max_body_bytes=self._max_body)
+        self._metrics.streams.inc()
+        try:
+            async for request in request_iterator:
+                try:
+                    responses = stream.handle(request)
+                except Exception:
+                    # A bug, not a client's fault: answer 500 once, keep the server up.
+                    log.exception("internal error request_id=%s", stream.request_id)
+                    self._metrics.requests.labels("internal_error").inc()
+                    yield messages.internal_error_response(stream.request_id)
+                    return
+                for response in responses:
+                    yield response
+        finally:
+            stream.close()
+            self._metrics.streams.dec()

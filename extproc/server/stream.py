@@ -1,0 +1,220 @@
+"""One HTTP request's ext_proc conversation: a small state machine, one method per message kind.
+
+Envoy opens one gRPC stream per HTTP request. We read the headers, collect the body, decide, and
+answer in the message the body mode allows:
+
+* bodiless request (headers carry ``end_of_stream``): decide in the headers answer;
+* BUFFERED: acknowledge the headers, answer the whole body with the destination (and the
+  rewritten body, if an alias was used);
+* FULL_DUPLEX_STREAMED: hold the headers answer until the body ends, then send it with the
+  destination, followed by the body in chunks (we own the body in this mode).
+
+The in-flight lease taken at the decision is released by :meth:`RequestStream.close`, which the
+gRPC handler calls when the stream ends however it ends (Envoy keeps the stream open until the
+HTTP exchange is over), and earlier if Envoy tells us the response has completed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+from typing import Literal
+
+from extproc.errors import BadRequest, BodyTooLarge, ModelNotFound, RequestError
+from extproc.openai import INFERENCE_PATHS, model_response, models_list, parse_request, rewrite_model
+from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from extproc.scheduling.inflight import Lease
+from extproc.scheduling.scheduler import Decision
+from extproc.server import messages
+from extproc.telemetry import Metrics
+from extproc.types import EndpointAddress
+
+log = logging.getLogger(__name__)
+
+#: Headers we add for the upstream's and operators' benefit (never read back from clients).
+MODEL_HEADER = "x-gateway-model-name"
+_FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
+Responses = list[ep.ProcessingResponse]
+
+
+class Router(Protocol):
+    """What a stream needs from the routing side (defined here, by its consumer)."""
+
+    def schedule(self, model: str | None, subset: frozenset[str] | None = None) -> Decision: ...
+
+    def acquire(self, address: EndpointAddress) -> Lease: ...
+
+    def models(self) -> list[tuple[str, str]]: ...
+
+
+class RequestStream:
+    """State of one ext_proc stream."""
+
+    def __init__(self, router: Router, metrics: Metrics, *, max_body_bytes: int) -> None:
+        self._router = router
+        self._metrics = metrics
+        self._max_body = max_body_bytes
+        self._full_duplex = False
+        self._headers: dict[str, str] = {}
+        self._subset: frozenset[str] | None = None
+        self._body = bytearray()
+        self._done = False
+        self.lease: Lease | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self._headers.get("x-request-id", "")
+
+    def handle(self, request: ep.ProcessingRequest) -> Responses:
+        """Answer one message from Envoy; errors a client caused become HTTP answers."""
+        kind = request.WhichOneof("request")
+        try:
+            if kind == "request_headers":
+                return self._on_request_headers(request)
+            if kind == "request_body":
+                return self._on_request_body(request.request_body)
+            if kind == "request_trailers":
+                return self._on_request_trailers()
+            return self._on_response(kind)
+        except RequestError as error:
+            return self._reject(error)
+
+    def close(self) -> None:
+        """The stream ended: give the endpoint back."""
+        if self.lease is not None:
+            self.lease.release()
+
+    # -- request path -------------------------------------------------------------------------
+
+    def _on_request_headers(self, request: ep.ProcessingRequest) -> Responses:
+        self._full_duplex = request.protocol_config.request_body_mode == _FULL_DUPLEX
+        self._headers = messages.header_map(request.request_headers)
+        self._subset = messages.subset_hint(request)
+        if not request.request_headers.end_of_stream:
+            # A body follows. In FULL_DUPLEX the headers answer carries the decision, so it waits.
+            return [] if self._full_duplex else [messages.continue_headers()]
+        return self._bodiless()
+
+    def _bodiless(self) -> Responses:
+        method = self._headers.get(":method", "")
+        path = self._headers.get(":path", "").split("?", 1)[0].rstrip("/")
+        if method in ("GET", "HEAD") and path == "/v1/models":
+            return self._answer(models_list(self._router.models()))
+        if method in ("GET", "HEAD") and path.startswith("/v1/models/"):
+            name = path.removeprefix("/v1/models/")
+            for client, upstream in self._router.models():
+                if client == name:
+                    return self._answer(model_response(client, upstream))
+            raise ModelNotFound(f"The model '{name}' does not exist.", param="model")
+        if path in INFERENCE_PATHS:
+            raise BadRequest(f"{method} {path} needs a JSON body with a 'model' field")
+        started = time.perf_counter()
+        decision = self._router.schedule(None, self._subset)
+        return [self._routed(decision, started, phase="headers")]
+
+    def _on_request_body(self, body: ep.HttpBody) -> Responses:
+        if self._done:
+            # Envoy may still flush chunks after we decided (e.g. after an immediate response race).
+            return []
+        self._body += body.body
+        if len(self._body) > self._max_body:
+            self._metrics.body_bytes.observe(len(self._body))
+            raise BodyTooLarge(
+                f"request body exceeds the {self._max_body}-byte limit of this gateway", param=None
+            )
+        if not body.end_of_stream:
+            return [] if self._full_duplex else [messages.continue_body()]
+        return self._decide_with_body(end_of_stream=True)
+
+    def _on_request_trailers(self) -> Responses:
+        if self._done:
+            return [messages.continue_trailers()]
+        # Trailers end the body when the client sent them.
+        return [*self._decide_with_body(end_of_stream=False), messages.continue_trailers()]
+
+    def _decide_with_body(self, *, end_of_stream: bool) -> Responses:
+        started = time.perf_counter()
+        body = bytes(self._body)
+        self._body = bytearray()
+        self._metrics.body_bytes.observe(len(body))
+        parsed = parse_request(body)
+        decision = self._router.schedule(parsed.model, self._subset)
+        route = decision.route
+        if route is not None and route.is_alias:
+            body = rewrite_model(parsed, route.upstream_model)
+            self._metrics.model_rewrites.inc()
+            rewritten = True
+        else:
+            rewritten = False
+        if not self._full_duplex:
+            return [self._routed(decision, started, phase="body", body=body if rewritten else None)]
+        return [
+            self._routed(decision, started, phase="headers"),
+            *messages.streamed_body(body, end_of_stream=end_of_stream),
+        ]
+
+    def _routed(
+        self,
+        decision: Decision,
+        started: float,
+        *,
+        phase: Literal["headers", "body"],
+        body: bytes | None = None,
+    ) -> ep.ProcessingResponse:
+        """The answer carrying the destination, in the message kind the phase calls for."""
+        self._done = True
+        self.lease = self._router.acquire(decision.endpoints[0].address)
+        extra: dict[str, str] = {}
+        if decision.route is not None:
+            extra[MODEL_HEADER] = decision.route.upstream_model
+        if body is not None:
+            # BUFFERED keeps Content-Length; it must describe the rewritten body.
+            extra["content-length"] = str(len(body))
+        destination = decision.destination
+        if phase == "headers":
+            response = messages.routed_headers_response(destination, extra=extra)
+        else:
+            response = messages.routed_body_response(destination, body=body, extra=extra)
+        self._metrics.decision_seconds.observe(time.perf_counter() - started)
+        self._metrics.requests.labels("routed").inc()
+        log.debug(
+            "routed request_id=%s model=%s destination=%s",
+            self.request_id,
+            decision.route.client_name if decision.route else "-",
+            destination,
+        )
+        return response
+
+    # -- response path ------------------------------------------------------------------------
+
+    def _on_response(self, kind: str | None) -> Responses:
+        if kind == "response_headers":
+            return [messages.continue_response_headers()]
+        if kind == "response_body":
+            return [messages.continue_response_body()]
+        if kind == "response_trailers":
+            return [messages.continue_response_trailers()]
+        log.warning("unexpected ext_proc message request_id=%s kind=%s", self.request_id, kind)
+        return []
+
+    # -- answers of our own -------------------------------------------------------------------
+
+    def _answer(self, body: bytes) -> Responses:
+        self._done = True
+        self._metrics.requests.labels("answered").inc()
+        return [messages.immediate_response(200, body)]
+
+    def _reject(self, error: RequestError) -> Responses:
+        self._done = True
+        self._metrics.requests.labels(error.code).inc()
+        log.info(
+            "rejected request_id=%s status=%d code=%s reason=%r",
+            self.request_id,
+            error.status,
+            error.code,
+            error.message,
+        )
+        return [messages.error_response(error)]

@@ -1,0 +1,80 @@
+"""Settings for ``extproc serve``: one frozen tree, validated on construction.
+
+Flags (and nothing else, for now) map onto these dataclasses in :mod:`extproc.cli`; everything
+below the CLI receives a validated :class:`ServeSettings` and never reads flags or the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from extproc.errors import ConfigError
+
+
+def parse_host_port(value: str, *, what: str) -> tuple[str, int]:
+    """Split ``host:port`` (``[v6]:port`` for IPv6) and check the port's range."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"{what}: expected HOST:PORT, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"{what}: port {port_text!r} is not a number (in {value!r})") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{what}: port {port} is out of range 0-65535")
+    return host, port
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSettings:
+    """Where the catalog comes from."""
+
+    #: ``file`` for now (a Kubernetes watch source comes later).
+    kind: str
+    #: The YAML file for ``file``.
+    path: Path
+    #: Seconds between checks of the file for changes. Default 1 s.
+    poll_interval: float = 1.0
+
+    @classmethod
+    def parse(cls, spec: str, *, poll_interval: float = 1.0) -> SourceSettings:
+        kind, sep, rest = spec.partition(":")
+        if kind != "file" or not sep or not rest:
+            raise ConfigError(f"--source: expected file:PATH, got {spec!r}")
+        if poll_interval <= 0:
+            raise ConfigError(f"--source-poll-interval must be positive, got {poll_interval}")
+        return cls(kind=kind, path=Path(rest), poll_interval=poll_interval)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeSettings:
+    """Everything ``extproc serve`` needs."""
+
+    source: SourceSettings
+    #: gRPC ext_proc (+ grpc.health.v1) listen address. Loopback by default.
+    listen: str = "127.0.0.1:9002"
+    #: Admin HTTP (``/metrics``, ``/debug/state``) listen address. Loopback by default.
+    admin_listen: str = "127.0.0.1:9090"
+    #: Largest request body accepted, in bytes; larger ones get 413. Default 16 MiB.
+    max_body_bytes: int = 16 * 1024 * 1024
+    #: How many fallback endpoints follow the pick in ``x-gateway-destination-endpoint``.
+    #: Envoy's override_host policy walks the list on retry; ORIGINAL_DST clusters accept a
+    #: single address only, so they need 0. Default 2.
+    max_fallbacks: int = 2
+    #: Seed for tie-breaking randomness; None for a random seed. Tests and benchmarks set it.
+    seed: int | None = None
+    #: Seconds to let in-flight streams finish on shutdown.
+    drain_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        parse_host_port(self.listen, what="--listen")
+        parse_host_port(self.admin_listen, what="--admin-listen")
+        if self.max_body_bytes < 1:
+            raise ConfigError(f"--max-body-bytes must be at least 1, got {self.max_body_bytes}")
+        if self.max_fallbacks < 0:
+            raise ConfigError(f"--max-fallbacks must be 0 or more, got {self.max_fallbacks}")
+        if self.drain_seconds < 0:
+            raise ConfigError(f"--drain-seconds must be 0 or more, got {self.drain_seconds}")

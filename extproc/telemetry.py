@@ -1,0 +1,122 @@
+"""Prometheus metrics and logging setup.
+
+Each server owns its own :class:`CollectorRegistry` (tests run several in one process). Gauges
+that describe state (in-flight counts, catalog size) are computed at scrape time from the state
+itself, so they can never drift from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from extproc.catalog.model import Catalog
+from extproc.types import EndpointAddress
+
+#: Outcome labels of ``extproc_requests_total``: ``routed``, ``answered`` (we replied ourselves,
+#: e.g. ``GET /v1/models``), or the error code of :mod:`extproc.errors`.
+DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+
+class Metrics:
+    """The request path's metrics, registered in one registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "extproc_requests_total",
+            "Requests seen by the ext_proc server, by outcome.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.decision_seconds = Histogram(
+            "extproc_decision_duration_seconds",
+            "Time from the last request byte reaching us to our routing answer.",
+            buckets=DECISION_BUCKETS,
+            registry=self.registry,
+        )
+        self.body_bytes = Histogram(
+            "extproc_request_body_bytes",
+            "Size of request bodies we routed or rejected.",
+            buckets=(256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216),
+            registry=self.registry,
+        )
+        self.streams = Gauge(
+            "extproc_streams_active", "Open ext_proc streams (one per HTTP request).", registry=self.registry
+        )
+        self.model_rewrites = Counter(
+            "extproc_model_rewrites_total",
+            "Requests whose body model was rewritten from an alias to the upstream name.",
+            registry=self.registry,
+        )
+        self.source_reloads = Counter(
+            "extproc_catalog_reloads_total",
+            "Catalog source reloads, by result (ok, failed).",
+            ["result"],
+            registry=self.registry,
+        )
+
+    def watch_state(
+        self,
+        *,
+        catalog: Callable[[], Catalog],
+        inflight: Callable[[], Mapping[EndpointAddress, int]],
+    ) -> None:
+        """Expose catalog and in-flight gauges computed at scrape time."""
+        self.registry.register(_StateCollector(catalog, inflight))
+
+
+class _StateCollector(Collector):
+    def __init__(
+        self, catalog: Callable[[], Catalog], inflight: Callable[[], Mapping[EndpointAddress, int]]
+    ) -> None:
+        self._catalog = catalog
+        self._inflight = inflight
+
+    def collect(self) -> Iterable[Metric]:
+        inflight = GaugeMetricFamily(
+            "extproc_inflight_requests", "Requests routed to an endpoint and not finished.", labels=["endpoint"]
+        )
+        for address, count in sorted(self._inflight().items()):
+            inflight.add_metric([address], count)
+        yield inflight
+        catalog = self._catalog()
+        ready = GaugeMetricFamily(
+            "extproc_worker_set_ready_endpoints", "Ready endpoints per worker set.", labels=["worker_set"]
+        )
+        terminating = GaugeMetricFamily(
+            "extproc_worker_set_terminating_endpoints",
+            "Terminating endpoints per worker set.",
+            labels=["worker_set"],
+        )
+        for key, worker_set in sorted(catalog.worker_sets.items()):
+            ready.add_metric([key], len(worker_set.endpoints))
+            terminating.add_metric([key], worker_set.terminating)
+        yield ready
+        yield terminating
+        yield GaugeMetricFamily(
+            "extproc_catalog_models", "Client-facing model names (upstream names and aliases).",
+            value=len(catalog.routes),
+        )
+        yield GaugeMetricFamily(
+            "extproc_catalog_name_conflicts", "Model names claimed by worker sets for different models.",
+            value=len(catalog.conflicts),
+        )
+        yield GaugeMetricFamily(
+            "extproc_catalog_rejected_objects", "Source objects rejected or held at a previous version.",
+            value=len(catalog.problems),
+        )
+
+
+def configure_logging(level: str) -> None:
+    """key=value logs on stderr; the level name comes from ``--log-level``."""
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=level.upper(),
+        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+    )
