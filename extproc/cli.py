@@ -26,9 +26,13 @@ log = logging.getLogger("extproc")
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the ext_proc gRPC server that picks an endpoint per request")
-    p.add_argument("--source", required=True, help="where worker sets come from: file:PATH (multi-document YAML)")
+    p.add_argument(
+        "--source", required=True, help="where worker sets come from: file:PATH (multi-document YAML)"
+    )
     p.add_argument("--source-poll-interval", type=float, default=1.0, help="seconds between file checks (1)")
-    p.add_argument("--listen", default="127.0.0.1:9002", help="gRPC ext_proc + health address (127.0.0.1:9002)")
+    p.add_argument(
+        "--listen", default="127.0.0.1:9002", help="gRPC ext_proc + health address (127.0.0.1:9002)"
+    )
     p.add_argument(
         "--admin-listen", default="127.0.0.1:9090", help="/metrics and /debug/state address (127.0.0.1:9090)"
     )
@@ -64,7 +68,9 @@ async def _run_serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="extproc", description="Envoy ext_proc router for LLM inference pools")
+    parser = argparse.ArgumentParser(
+        prog="extproc", description="Envoy ext_proc router for LLM inference pools"
+    )
     parser.add_argument("--version", action="version", version=f"extproc {__version__}")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)

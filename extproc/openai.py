@@ -56,9 +56,7 @@ def parse_request(body: bytes) -> InferenceRequest:
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' must be a non-empty string", param="model")
     stream = payload.get("stream") is True
-    return InferenceRequest(
-        model=model, stream=stream, max_tokens=_max_tokens(payload), payload=payload
-    )
+    return InferenceRequest(model=model, stream=stream, max_tokens=_max_tokens(payload), payload=payload)
 
 
 def _max_tokens(payload: dict[str, Any]) -> int | None:

@@ -80,7 +80,9 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         inflight = GaugeMetricFamily(
-            "extproc_inflight_requests", "Requests routed to an endpoint and not finished.", labels=["endpoint"]
+            "extproc_inflight_requests",
+            "Requests routed to an endpoint and not finished.",
+            labels=["endpoint"],
         )
         for address, count in sorted(self._inflight().items()):
             inflight.add_metric([address], count)
@@ -100,15 +102,18 @@ class _StateCollector(Collector):
         yield ready
         yield terminating
         yield GaugeMetricFamily(
-            "extproc_catalog_models", "Client-facing model names (upstream names and aliases).",
+            "extproc_catalog_models",
+            "Client-facing model names (upstream names and aliases).",
             value=len(catalog.routes),
         )
         yield GaugeMetricFamily(
-            "extproc_catalog_name_conflicts", "Model names claimed by worker sets for different models.",
+            "extproc_catalog_name_conflicts",
+            "Model names claimed by worker sets for different models.",
             value=len(catalog.conflicts),
         )
         yield GaugeMetricFamily(
-            "extproc_catalog_rejected_objects", "Source objects rejected or held at a previous version.",
+            "extproc_catalog_rejected_objects",
+            "Source objects rejected or held at a previous version.",
             value=len(catalog.problems),
         )
 

@@ -14,7 +14,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 
-def admin_app(*, registry: CollectorRegistry, state: Callable[[], dict[str, Any]], ready: Callable[[], bool]) -> web.Application:
+def admin_app(
+    *, registry: CollectorRegistry, state: Callable[[], dict[str, Any]], ready: Callable[[], bool]
+) -> web.Application:
     """The aiohttp application serving the admin routes."""
 
     async def metrics(_: web.Request) -> web.Response:

@@ -98,7 +98,9 @@ class Server:
             ]
         )
         ep_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessorService(self.scheduler, self.metrics, max_body_bytes=self.settings.max_body_bytes),
+            ExternalProcessorService(
+                self.scheduler, self.metrics, max_body_bytes=self.settings.max_body_bytes
+            ),
             server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(HealthService(lambda: self.store.loaded), server)
@@ -108,7 +110,9 @@ class Server:
         self._grpc = server
 
     async def _start_admin(self) -> None:
-        app = admin_app(registry=self.metrics.registry, state=self.debug_state, ready=lambda: self.store.loaded)
+        app = admin_app(
+            registry=self.metrics.registry, state=self.debug_state, ready=lambda: self.store.loaded
+        )
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         host, port = parse_host_port(self.settings.admin_listen, what="--admin-listen")

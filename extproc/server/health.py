@@ -32,12 +32,12 @@ class HealthService(health_pb2_grpc.HealthServicer):
             return _Status.SERVING if self._is_ready() else _Status.NOT_SERVING
         return _Status.SERVICE_UNKNOWN
 
-    async def Check(  # noqa: N802  (gRPC method name)
+    async def Check(
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> health_pb2.HealthCheckResponse:
-        return _Status(status=self.status(request.service))  # type: ignore[arg-type]
+        return _Status(status=self.status(request.service))
 
-    async def Watch(  # noqa: N802  (gRPC method name)
+    async def Watch(
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         last: int | None = None
@@ -45,5 +45,5 @@ class HealthService(health_pb2_grpc.HealthServicer):
             current = self.status(request.service)
             if current != last:
                 last = current
-                yield _Status(status=current)  # type: ignore[arg-type]
+                yield _Status(status=current)
             await asyncio.sleep(self._watch_interval)

@@ -27,7 +27,7 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
         self._metrics = metrics
         self._max_body = max_body_bytes
 
-    async def Process(  # noqa: N802  (gRPC method name)
+    async def Process(
         self,
         request_iterator: AsyncIterator[ep.ProcessingRequest],
         context: grpc.aio.ServicerContext[ep.ProcessingRequest, ep.ProcessingResponse],

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
-
-from typing import Literal
+from typing import Literal, Protocol
 
 from extproc.errors import BadRequest, BodyTooLarge, ModelNotFound, RequestError
 from extproc.openai import INFERENCE_PATHS, model_response, models_list, parse_request, rewrite_model

@@ -1,0 +1,319 @@
+"""The catalog from a multi-document YAML file, reloaded when it changes.
+
+The file holds what ``kubectl get -o yaml`` would show: InferenceWorkerSets, Services and
+EndpointSlices (``kind: List`` documents too). Reloads behave like an API server facing the same
+edits, so that what works from a file works on a cluster: a bad edit to one object is refused and
+its last valid version stays in use; a file that cannot be read or parsed at all changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from extproc.catalog.build import build_catalog
+from extproc.catalog.model import Catalog, ObjectProblem
+from extproc.catalog.resources import (
+    EndpointSlice,
+    InferenceWorkerSet,
+    InvalidObject,
+    Resource,
+    Service,
+    UnsupportedKind,
+    iter_objects,
+    object_identity,
+    parse_object,
+)
+from extproc.errors import SourceError
+from extproc.settings import SourceSettings
+
+logger = logging.getLogger(__name__)
+
+#: (kind, namespace, name): what stays the same object across edits.
+ObjectKey = tuple[str, str, str]
+#: What one counted reload did; ``on_reload`` receives it (for metrics).
+ReloadOutcome = Literal["ok", "failed", "unchanged"]
+#: File systems stamp mtimes from a coarse clock: two same-size writes within one tick look alike.
+#: A file modified this recently is hashed again on the next poll rather than trusted (like git's
+#: "racily clean" entries).
+_RACY_NS = 2_000_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class _Stamp:
+    """What stat says cheaply; a different stamp means "read and compare", not "changed"."""
+
+    mtime_ns: int
+    size: int
+    inode: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> _Stamp:
+        return cls(st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    stamp: _Stamp
+    digest: bytes
+    data: bytes
+    #: Modified so recently that an immediate second write could keep the same stamp.
+    racy: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    """A built catalog and the valid objects it came from (the next reload's fallbacks)."""
+
+    catalog: Catalog
+    valid: dict[ObjectKey, Resource]
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    message: str
+    #: Set when the content was read but rejected, so the same bytes are not parsed again.
+    read: _Read | None = None
+
+
+_Outcome = _Read | _Failed | tuple[_Read, Compiled] | None
+
+
+def compile_documents(data: bytes, previous: Mapping[ObjectKey, Resource], *, path: Path) -> Compiled:
+    """Parse the file's bytes and build a catalog; raises SourceError only if the YAML is broken.
+
+    ``previous`` holds the objects of the last good load: an object that turned invalid keeps
+    that version, as the API server would have refused the edit.
+    """
+    valid: dict[ObjectKey, Resource] = {}
+    problems: list[ObjectProblem] = []
+    for document in _load_yaml(data, path):
+        if document is None:
+            continue
+        for obj in iter_objects(document):
+            _admit(obj, previous, valid, problems)
+    resources = list(valid.values())
+    catalog = build_catalog(
+        [r for r in resources if isinstance(r, InferenceWorkerSet)],
+        [r for r in resources if isinstance(r, Service)],
+        [r for r in resources if isinstance(r, EndpointSlice)],
+        problems,
+    )
+    return Compiled(catalog, valid)
+
+
+def _load_yaml(data: bytes, path: Path) -> list[Any]:
+    try:
+        return list(yaml.safe_load_all(data))
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        context = ""
+        if exc.context and exc.context_mark and exc.problem:
+            context = f" ({exc.context} at line {exc.context_mark.line + 1})"
+        detail = exc.problem or exc.context
+        raise SourceError(f"catalog file {path}: invalid YAML{where}: {detail}{context}") from exc
+    except yaml.YAMLError as exc:
+        raise SourceError(f"catalog file {path}: invalid YAML: {exc}") from exc
+
+
+def _admit(
+    obj: Any,
+    previous: Mapping[ObjectKey, Resource],
+    valid: dict[ObjectKey, Resource],
+    problems: list[ObjectProblem],
+) -> None:
+    """Add one object to ``valid``, or record why not (and what stays in use instead)."""
+    key = object_identity(obj) if isinstance(obj, Mapping) else ("(no kind)", "default", "(no name)")
+    try:
+        resource = parse_object(obj)
+    except UnsupportedKind as exc:
+        problems.append(ObjectProblem(*key, exc.detail))
+        return
+    except InvalidObject as exc:
+        message = f"{exc.field_path}: {exc.detail}" if exc.field_path else exc.detail
+        kept = valid.get(key, previous.get(key))
+        if kept is not None:
+            valid[key] = kept
+            message += "; the previous valid version stays in use"
+        problems.append(ObjectProblem(*key, message, kept_previous=kept is not None))
+        return
+    if key in valid:
+        problems.append(
+            ObjectProblem(*key, "defined more than once in the file; the last definition is used")
+        )
+    valid[key] = resource
+
+
+def _read(path: Path) -> _Read:
+    """Read the file and stamp it from the same open file, so stamp and bytes belong together."""
+    try:
+        with path.open("rb") as fh:
+            stamp = _Stamp.of(os.fstat(fh.fileno()))
+            data = fh.read()
+    except OSError as exc:
+        raise SourceError(_describe(path, exc)) from exc
+    racy = time.time_ns() - stamp.mtime_ns < _RACY_NS
+    return _Read(stamp, hashlib.sha256(data).digest(), data, racy)
+
+
+def _describe(path: Path, exc: OSError) -> str:
+    if isinstance(exc, FileNotFoundError):
+        return f"catalog file {path}: not found"
+    return f"catalog file {path}: cannot read: {exc.strerror or exc}"
+
+
+class FileSource:
+    """Loads the catalog file once (``load``) and then follows its changes (``watch``).
+
+    ``reloads_ok`` counts catalogs built; ``reloads_failed`` counts failures, each distinct error
+    once while it persists (a file that stays missing is one failure, not one per poll).
+    ``on_reload``, if given, is called with each counted outcome, so metrics need no polling.
+    """
+
+    def __init__(
+        self, settings: SourceSettings, *, on_reload: Callable[[ReloadOutcome], None] | None = None
+    ) -> None:
+        self.path = settings.path
+        self.poll_interval = settings.poll_interval
+        self._on_reload = on_reload
+        self.reloads_ok = 0
+        self.reloads_failed = 0
+        #: Changed stamps whose bytes were those of the current catalog (touch, identical rewrite).
+        self.reloads_unchanged = 0
+        #: The error that currently keeps the file from loading, or None.
+        self.last_error: str | None = None
+        self._stamp: _Stamp | None = None  # of the last bytes read
+        self._trusted = False  # False while that read was racy: compare bytes again next poll
+        self._applied: bytes | None = None  # digest of the content behind the current catalog
+        #: Digest of the last content that failed to parse, and why: not parsed again each poll.
+        self._rejected: tuple[bytes, str] | None = None
+        self._valid: dict[ObjectKey, Resource] = {}
+        self._reported: frozenset[str] = frozenset()
+
+    def load(self) -> Catalog:
+        """Read and build now; raises SourceError (with the path) if the file cannot be used."""
+        try:
+            read = _read(self.path)
+            compiled = compile_documents(read.data, self._valid, path=self.path)
+        except SourceError as exc:
+            self._fail(_Failed(str(exc)))
+            raise
+        return self._apply(read, compiled)
+
+    def poll(self) -> Catalog | None:
+        """One check, synchronously: the new catalog if the file changed and loads, else None."""
+        return self._commit(self._check())
+
+    async def watch(self, publish: Callable[[Catalog], None]) -> None:
+        """Poll every ``poll_interval`` seconds and publish each new catalog; runs until cancelled."""
+        while True:
+            # stat and read may block on slow file systems: keep them off the event loop.
+            outcome = await asyncio.to_thread(self._check)
+            catalog = self._commit(outcome)
+            if catalog is not None:
+                publish(catalog)
+            await asyncio.sleep(self.poll_interval)
+
+    def _check(self) -> _Outcome:
+        """Look at the file; reads state but never changes it, so it can run in a worker thread."""
+        try:
+            stamp = _Stamp.of(os.stat(self.path))
+            if stamp == self._stamp and self._trusted:
+                return None
+            read = _read(self.path)
+        except OSError as exc:
+            return _Failed(_describe(self.path, exc))
+        except SourceError as exc:
+            return _Failed(str(exc))
+        if read.digest == self._applied:
+            return read
+        if self._rejected is not None and read.digest == self._rejected[0]:
+            return _Failed(self._rejected[1], read)
+        try:
+            return read, compile_documents(read.data, self._valid, path=self.path)
+        except SourceError as exc:
+            return _Failed(str(exc), read)
+        except Exception as exc:
+            # A validation gap is a bug, but it must not stop the server: keep the current catalog.
+            logger.exception("catalog build failed (bug) path=%s", self.path)
+            return _Failed(f"catalog file {self.path}: internal error while loading: {exc!r}", read)
+
+    def _commit(self, outcome: _Outcome) -> Catalog | None:
+        """Apply what ``_check`` found; returns the catalog to publish, if any."""
+        if isinstance(outcome, _Read):  # same bytes as the current catalog: nothing to publish
+            touched = outcome.stamp != self._stamp  # not just a racy file hashed again
+            self._remember(outcome)
+            self._recover()
+            if touched:
+                self.reloads_unchanged += 1
+                self._notify("unchanged")
+        elif isinstance(outcome, _Failed):
+            self._fail(outcome)
+        elif outcome is not None:
+            return self._apply(*outcome)
+        return None
+
+    def _apply(self, read: _Read, compiled: Compiled) -> Catalog:
+        self._remember(read)
+        self._applied, self._rejected = read.digest, None
+        self._valid = compiled.valid
+        self.reloads_ok += 1
+        self._recover()
+        self._report(compiled.catalog)
+        self._notify("ok")
+        return compiled.catalog
+
+    def _fail(self, failed: _Failed) -> None:
+        """Keep the current catalog; remember rejected bytes so they are not parsed every poll."""
+        self._remember(failed.read)
+        if failed.read is not None:
+            self._rejected = (failed.read.digest, failed.message)
+        new = failed.message != self.last_error
+        self.last_error = failed.message
+        if new:
+            self.reloads_failed += 1
+            logger.warning("catalog reload failed, keeping the previous catalog: error=%r", failed.message)
+            self._notify("failed")
+
+    def _remember(self, read: _Read | None) -> None:
+        self._stamp = read.stamp if read else None
+        self._trusted = read is not None and not read.racy
+
+    def _notify(self, outcome: ReloadOutcome) -> None:
+        if self._on_reload is not None:
+            self._on_reload(outcome)
+
+    def _recover(self) -> None:
+        if self.last_error is not None:
+            logger.info("catalog file readable again path=%s previous_error=%r", self.path, self.last_error)
+            self.last_error = None
+
+    def _report(self, catalog: Catalog) -> None:
+        """Log each problem once, when it appears, rather than on every reload."""
+        messages = [f"{p.kind} {p.namespace}/{p.name}: {p.message}" for p in catalog.problems]
+        messages += [c.message() for c in catalog.conflicts]
+        messages += [
+            f"InferenceWorkerSet {k}: {m}" for k, ws in catalog.worker_sets.items() for m in ws.problems
+        ]
+        for message in messages:
+            if message not in self._reported:
+                logger.warning("catalog problem path=%s problem=%r", self.path, message)
+        self._reported = frozenset(messages)
+        logger.info(
+            "catalog loaded path=%s worker_sets=%d routes=%d conflicts=%d problems=%d",
+            self.path,
+            len(catalog.worker_sets),
+            len(catalog.routes),
+            len(catalog.conflicts),
+            len(messages),
+        )

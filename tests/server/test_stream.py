@@ -1,0 +1,297 @@
+"""The ext_proc conversation, message by message, against a real scheduler and catalog (no sockets)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import orjson
+import pytest
+
+from extproc.catalog.model import Catalog, Endpoint, Route, WorkerSet
+from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.scheduler import Scheduler
+from extproc.server.messages import STREAM_CHUNK_BYTES
+from extproc.server.stream import RequestStream
+from extproc.telemetry import Metrics
+from extproc.types import EndpointAddress, ModelName, WorkerSetKey
+
+BUFFERED = pm.ProcessingMode.BUFFERED
+FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
+
+
+def _endpoint(n: int) -> Endpoint:
+    return Endpoint(EndpointAddress(f"127.0.0.{n}:8000"), f"127.0.0.{n}", 8000, WorkerSetKey("default/llama"))
+
+
+def _catalog(endpoints: tuple[Endpoint, ...] = (_endpoint(1), _endpoint(2))) -> Catalog:
+    ws = WorkerSet(WorkerSetKey("default/llama"), "default", 16, (), endpoints)
+    upstream = ModelName("llama-3-8b")
+    return Catalog(
+        worker_sets={ws.key: ws},
+        routes={
+            upstream: Route(upstream, upstream, (ws.key,), endpoints),
+            ModelName("chat"): Route(ModelName("chat"), upstream, (ws.key,), endpoints),
+        },
+    )
+
+
+class Harness:
+    def __init__(
+        self, catalog: Catalog | None = None, *, max_body: int = 1 << 20, fallbacks: int = 1
+    ) -> None:
+        self.catalog = catalog or _catalog()
+        self.inflight = InFlight()
+        self.scheduler = Scheduler(
+            lambda: self.catalog, self.inflight, max_fallbacks=fallbacks, rng=random.Random(7)
+        )
+        self.metrics = Metrics()
+        self.max_body = max_body
+
+    def stream(self) -> RequestStream:
+        return RequestStream(self.scheduler, self.metrics, max_body_bytes=self.max_body)
+
+
+def headers(
+    method: str = "POST",
+    path: str = "/v1/chat/completions",
+    *,
+    eos: bool = False,
+    mode: int = BUFFERED,
+    extra: dict[str, str] | None = None,
+    subset: list[str] | None = None,
+) -> ep.ProcessingRequest:
+    request = ep.ProcessingRequest()
+    request.protocol_config.request_body_mode = mode  # type: ignore[assignment]
+    for key, value in {":method": method, ":path": path, "x-request-id": "r1", **(extra or {})}.items():
+        h = request.request_headers.headers.headers.add()
+        h.key = key
+        h.raw_value = value.encode()
+    request.request_headers.end_of_stream = eos
+    if subset is not None:
+        ns = request.metadata_context.filter_metadata["envoy.lb.subset_hint"]
+        ns.update({"x-gateway-destination-endpoint-subset": subset})
+    return request
+
+
+def body(data: bytes, *, eos: bool = True) -> ep.ProcessingRequest:
+    request = ep.ProcessingRequest()
+    request.request_body.body = data
+    request.request_body.end_of_stream = eos
+    return request
+
+
+def chat(model: str = "llama-3-8b", **extra: object) -> bytes:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}).encode()
+
+
+def set_headers(common: ep.CommonResponse) -> dict[str, str]:
+    return {o.header.key: o.header.raw_value.decode() for o in common.header_mutation.set_headers}
+
+
+def destination_metadata(response: ep.ProcessingResponse) -> str:
+    return (
+        response.dynamic_metadata.fields["envoy.lb"]
+        .struct_value.fields["x-gateway-destination-endpoint"]
+        .string_value
+    )
+
+
+def test_buffered_routes_in_body_answer() -> None:
+    """BUFFERED: the headers are acknowledged, the body answer names the endpoint in header and metadata."""
+    h = Harness()
+    s = h.stream()
+    [ack] = s.handle(headers())
+    assert ack.WhichOneof("response") == "request_headers"
+    assert not ack.request_headers.response.header_mutation.set_headers
+    [answer] = s.handle(body(chat()))
+    common = answer.request_body.response
+    dest = set_headers(common)["x-gateway-destination-endpoint"]
+    assert dest == destination_metadata(answer)
+    first, fallback = dest.split(",")
+    assert {first, fallback} == {"127.0.0.1:8000", "127.0.0.2:8000"}
+    assert not common.HasField("body_mutation"), "no alias: the body goes through untouched"
+    assert common.clear_route_cache
+    assert h.inflight.count(EndpointAddress(first)) == 1
+    s.close()
+    assert h.inflight.total == 0
+
+
+def test_buffered_alias_rewrites_model_and_content_length() -> None:
+    """An alias is rewritten to the upstream name; other fields stay; Content-Length follows the new body."""
+    h = Harness()
+    s = h.stream()
+    s.handle(headers())
+    [answer] = s.handle(body(chat("chat", temperature=0.5, stream=True)))
+    common = answer.request_body.response
+    new_body = common.body_mutation.body
+    sent = orjson.loads(new_body)
+    assert sent["model"] == "llama-3-8b"
+    assert sent["temperature"] == 0.5 and sent["stream"] is True
+    assert sent["messages"] == [{"role": "user", "content": "hi"}]
+    hdrs = set_headers(common)
+    assert hdrs["content-length"] == str(len(new_body))
+    assert hdrs["x-gateway-model-name"] == "llama-3-8b"
+
+
+def test_full_duplex_holds_headers_then_streams_body_back() -> None:
+    """FULL_DUPLEX: nothing is answered until the body ends; then headers (routed) and the body in chunks."""
+    h = Harness()
+    s = h.stream()
+    assert s.handle(headers(mode=FULL_DUPLEX)) == []
+    big = chat("chat", padding="x" * (3 * STREAM_CHUNK_BYTES))
+    assert s.handle(body(big[:1000], eos=False)) == []
+    out = s.handle(body(big[1000:], eos=True))
+    assert out[0].WhichOneof("response") == "request_headers"
+    assert "x-gateway-destination-endpoint" in set_headers(out[0].request_headers.response)
+    chunks = [r.request_body.response.body_mutation.streamed_response for r in out[1:]]
+    assert all(len(c.body) <= STREAM_CHUNK_BYTES for c in chunks)
+    assert [c.end_of_stream for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    sent = orjson.loads(b"".join(c.body for c in chunks))
+    assert sent["model"] == "llama-3-8b" and sent["padding"] == "x" * (3 * STREAM_CHUNK_BYTES)
+
+
+def test_full_duplex_body_passes_byte_for_byte_without_alias() -> None:
+    """Without an alias the streamed-back body is exactly what the client sent."""
+    h = Harness()
+    s = h.stream()
+    s.handle(headers(mode=FULL_DUPLEX))
+    original = b'{"model":   "llama-3-8b", "prompt": "keep   my  spacing"}'
+    s.handle(body(original, eos=False))
+    out = s.handle(body(b"", eos=True))
+    assert b"".join(r.request_body.response.body_mutation.streamed_response.body for r in out[1:]) == original
+
+
+@pytest.mark.parametrize(
+    ("payload", "status", "code"),
+    [
+        (b"{not json", 400, "invalid_request"),
+        (b"[1, 2]", 400, "invalid_request"),
+        (b'{"messages": []}', 400, "invalid_request"),
+        (b'{"model": 7}', 400, "invalid_request"),
+        (b"", 400, "invalid_request"),
+        (chat("no-such-model"), 404, "model_not_found"),
+    ],
+    ids=["not-json", "not-object", "no-model", "model-not-string", "empty", "unknown-model"],
+)
+@pytest.mark.parametrize("mode", [BUFFERED, FULL_DUPLEX], ids=["buffered", "full-duplex"])
+def test_bad_requests_get_openai_errors(payload: bytes, status: int, code: str, mode: int) -> None:
+    """Malformed or unroutable bodies are answered with an HTTP error and an OpenAI-shaped JSON body."""
+    h = Harness()
+    s = h.stream()
+    s.handle(headers(mode=mode))
+    [answer] = s.handle(body(payload))
+    immediate = answer.immediate_response
+    assert immediate.status.code == status
+    error = orjson.loads(immediate.body)["error"]
+    assert error["code"] == code and error["message"]
+    assert h.inflight.total == 0
+
+
+def test_no_ready_endpoint_is_503() -> None:
+    """A known model with no ready endpoint is 503, not 404."""
+    h = Harness(_catalog(endpoints=()))
+    s = h.stream()
+    s.handle(headers())
+    [answer] = s.handle(body(chat()))
+    assert answer.immediate_response.status.code == 503
+
+
+@pytest.mark.parametrize("mode", [BUFFERED, FULL_DUPLEX], ids=["buffered", "full-duplex"])
+def test_body_over_limit_is_413_before_the_end(mode: int) -> None:
+    """A body over the limit is refused as soon as it crosses it; later chunks are ignored."""
+    h = Harness(max_body=100)
+    s = h.stream()
+    s.handle(headers(mode=mode))
+    [answer] = s.handle(body(b"x" * 101, eos=False))
+    assert answer.immediate_response.status.code == 413
+    assert s.handle(body(b"y" * 10, eos=True)) == []
+
+
+def test_models_list_answered_by_router() -> None:
+    """GET /v1/models lists every client-facing name, aliases included, in OpenAI's format."""
+    h = Harness()
+    [answer] = h.stream().handle(headers("GET", "/v1/models", eos=True))
+    listing = orjson.loads(answer.immediate_response.body)
+    assert answer.immediate_response.status.code == 200
+    assert listing["object"] == "list"
+    assert {(m["id"], m["root"]) for m in listing["data"]} == {
+        ("chat", "llama-3-8b"),
+        ("llama-3-8b", "llama-3-8b"),
+    }
+
+
+def test_single_model_lookup() -> None:
+    """GET /v1/models/{name} answers one model, or 404 for an unknown one."""
+    h = Harness()
+    [found] = h.stream().handle(headers("GET", "/v1/models/chat", eos=True))
+    assert orjson.loads(found.immediate_response.body)["id"] == "chat"
+    [missing] = h.stream().handle(headers("GET", "/v1/models/nope", eos=True))
+    assert missing.immediate_response.status.code == 404
+
+
+def test_bodiless_request_is_routed_in_headers_phase() -> None:
+    """A request without a body is decided in the headers answer, with destination header and metadata."""
+    h = Harness()
+    s = h.stream()
+    [answer] = s.handle(headers("GET", "/health", eos=True))
+    common = answer.request_headers.response
+    assert set_headers(common)["x-gateway-destination-endpoint"] == destination_metadata(answer)
+    assert h.inflight.total == 1
+
+
+def test_inference_path_without_body_is_400() -> None:
+    """POST /v1/chat/completions with no body cannot be routed by model: 400."""
+    [answer] = Harness().stream().handle(headers(eos=True))
+    assert answer.immediate_response.status.code == 400
+
+
+@pytest.mark.parametrize(
+    ("subset", "expected"),
+    [
+        (["127.0.0.2:8000"], "127.0.0.2:8000"),
+        (["127.0.0.2"], "127.0.0.2:8000"),
+        (["127.0.0.9:8000"], None),
+        ([], None),
+    ],
+    ids=["ip-port", "bare-ip", "outside-pool", "empty"],
+)
+def test_subset_hint_narrows_the_pick(subset: list[str], expected: str | None) -> None:
+    """Only endpoints in the gateway's subset hint are eligible; none eligible is 503."""
+    h = Harness(fallbacks=2)
+    s = h.stream()
+    s.handle(headers(subset=subset))
+    [answer] = s.handle(body(chat()))
+    if expected is None:
+        assert answer.immediate_response.status.code == 503
+    else:
+        assert set_headers(answer.request_body.response)["x-gateway-destination-endpoint"] == expected
+
+
+def test_load_spreads_to_least_busy() -> None:
+    """With one endpoint busy, new requests go to the idle one."""
+    h = Harness(fallbacks=0)
+    busy = h.inflight.acquire(EndpointAddress("127.0.0.1:8000"))
+    for _ in range(3):
+        s = h.stream()
+        s.handle(headers())
+        [answer] = s.handle(body(chat()))
+        assert set_headers(answer.request_body.response)["x-gateway-destination-endpoint"] == "127.0.0.2:8000"
+        s.close()
+    busy.release()
+
+
+def test_trailers_end_the_body() -> None:
+    """A request with trailers is decided when the trailers arrive, and the trailers are acknowledged."""
+    h = Harness()
+    s = h.stream()
+    s.handle(headers(mode=FULL_DUPLEX))
+    s.handle(body(chat(), eos=False))
+    trailers = ep.ProcessingRequest()
+    trailers.request_trailers.SetInParent()
+    out = s.handle(trailers)
+    kinds = [r.WhichOneof("response") for r in out]
+    assert kinds[0] == "request_headers" and kinds[-1] == "request_trailers"
+    assert not out[-2].request_body.response.body_mutation.streamed_response.end_of_stream
