@@ -1,0 +1,78 @@
+"""The running server's side doors: gRPC health, /metrics, /debug/state (real sockets)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc.server.app import Server
+from extproc.settings import ServeSettings, SourceSettings
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "catalog.yaml"
+Status = health_pb2.HealthCheckResponse
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[Server]:
+    settings = ServeSettings(
+        source=SourceSettings.parse(f"file:{DATA}"), listen="127.0.0.1:0", admin_listen="127.0.0.1:0"
+    )
+    async with Server(settings) as running:
+        yield running
+
+
+@pytest.mark.parametrize(
+    ("service", "expected"),
+    [
+        ("", Status.SERVING),
+        ("liveness", Status.SERVING),
+        ("readiness", Status.SERVING),
+        ("envoy.service.ext_proc.v3.ExternalProcessor", Status.SERVING),
+        ("something.Else", Status.SERVICE_UNKNOWN),
+    ],
+    ids=["overall", "liveness", "readiness", "ext-proc", "unknown"],
+)
+async def test_grpc_health(server: Server, service: str, expected: int) -> None:
+    """Health names answer as the endpoint picker protocol expects; unknown names are not an error."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        answer = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    assert answer.status == expected
+
+
+async def test_not_ready_until_catalog_loaded() -> None:
+    """Before the catalog is loaded, readiness says NOT_SERVING while liveness says SERVING."""
+    settings = ServeSettings(source=SourceSettings.parse(f"file:{DATA}"), listen="127.0.0.1:0")
+    server = Server(settings)
+    from extproc.server.health import HealthService
+
+    health = HealthService(lambda: server.store.loaded)
+    assert health.status("readiness") == Status.NOT_SERVING
+    assert health.status("liveness") == Status.SERVING
+    server.store.publish(server.source.load())
+    assert health.status("readiness") == Status.SERVING
+
+
+async def test_metrics_and_debug_state(server: Server) -> None:
+    """/metrics exposes catalog and request metrics; /debug/state shows routes and in-flight counts."""
+    lease = server.inflight.acquire(server.store.current.routes["chat"].endpoints[0].address)  # type: ignore[index]
+    base = f"http://127.0.0.1:{server.admin_port}"
+    async with aiohttp.ClientSession() as s:
+        async with s.get(base + "/metrics") as r:
+            assert r.status == 200
+            text = await r.text()
+        async with s.get(base + "/debug/state") as r:
+            state = await r.json()
+        async with s.post(base + "/debug/state") as r:
+            assert r.status == 405, "the admin port is read-only"
+    lease.release()
+    assert 'extproc_worker_set_ready_endpoints{worker_set="default/llama-3-8b"} 2.0' in text
+    assert 'extproc_inflight_requests{endpoint="127.0.0.1:8000"} 1.0' in text
+    assert "extproc_catalog_models 4.0" in text
+    assert state["catalog"]["routes"]["chat"]["upstreamModel"] == "meta-llama/Meta-Llama-3-8B-Instruct"
+    assert state["inflight"] == {"127.0.0.1:8000": 1}

@@ -1,0 +1,79 @@
+"""``extproc serve`` as a user runs it: a real process, real signals, clear errors."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+from ports import free_port
+
+DATA = Path(__file__).resolve().parent / "data" / "catalog.yaml"
+
+
+async def _run(*args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "extproc",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode()
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["--source", "file:/nonexistent/catalog.yaml"], 1, "/nonexistent/catalog.yaml"),
+        (["--source", "http://x"], 2, "--source: expected file:PATH"),
+        (["--source", f"file:{DATA}", "--listen", "nonsense"], 2, "--listen: expected HOST:PORT"),
+        (["--source", f"file:{DATA}", "--max-fallbacks", "-1"], 2, "--max-fallbacks must be 0 or more"),
+    ],
+    ids=["missing-file", "bad-source", "bad-listen", "bad-fallbacks"],
+)
+async def test_serve_refuses_bad_setup_clearly(args: list[str], code: int, message: str) -> None:
+    """Bad flags or an unreadable source exit non-zero with a message naming the problem."""
+    returncode, output = await _run("serve", *args)
+    assert returncode == code, output
+    assert message in output
+    assert "Traceback" not in output
+
+
+async def test_serve_runs_and_stops_on_sigterm() -> None:
+    """serve becomes ready on its admin port and exits 0 on SIGTERM."""
+    admin = free_port()
+    args = ["serve", "--source", f"file:{DATA}", "--listen", f"127.0.0.1:{free_port()}"]
+    args += ["--admin-listen", f"127.0.0.1:{admin}", "--drain-seconds", "0"]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "extproc",
+        *args,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(200):
+                try:
+                    async with s.get(f"http://127.0.0.1:{admin}/readyz") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    pass
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("serve never became ready")
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
