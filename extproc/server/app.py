@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2_grpc
 from extproc import __version__
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
+from extproc.errors import ConfigError
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.scheduler import Scheduler
@@ -62,9 +63,13 @@ class Server:
     async def start(self) -> None:
         """Load the catalog (failing loudly if it cannot be read), then open both ports."""
         self.store.publish(await asyncio.to_thread(self.source.load))
+        try:
+            await self._start_grpc()
+            await self._start_admin()
+        except BaseException:
+            await self.stop()
+            raise
         self._watch = asyncio.create_task(self.source.watch(self._publish), name="catalog-source")
-        await self._start_grpc()
-        await self._start_admin()
         catalog = self.store.current
         log.info(
             "serving grpc=%s:%d admin=%s:%d worker_sets=%d models=%d",
@@ -95,6 +100,8 @@ class Server:
                 ("grpc.max_send_message_length", limit),
                 # Envoy keeps one HTTP/2 connection with many streams; let it have them.
                 ("grpc.max_concurrent_streams", 10_000),
+                # A second serve on the same port must fail, not silently share the traffic.
+                ("grpc.so_reuseport", 0),
             ]
         )
         ep_grpc.add_ExternalProcessorServicer_to_server(
@@ -105,7 +112,10 @@ class Server:
         )
         health_pb2_grpc.add_HealthServicer_to_server(HealthService(lambda: self.store.loaded), server)
         host, port = parse_host_port(self.settings.listen, what="--listen")
-        self.grpc_port = server.add_insecure_port(_join(host, port))
+        try:
+            self.grpc_port = server.add_insecure_port(_join(host, port))
+        except RuntimeError as exc:
+            raise ConfigError(f"--listen {self.settings.listen}: cannot listen there ({exc})") from None
         await server.start()
         self._grpc = server
 
@@ -116,11 +126,12 @@ class Server:
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         host, port = parse_host_port(self.settings.admin_listen, what="--admin-listen")
-        site = web.TCPSite(runner, host, port)
-        await site.start()
         self._admin = runner
-        sockets = [s for s in runner.addresses]
-        self.admin_port = int(sockets[0][1]) if sockets else port
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as exc:
+            raise ConfigError(f"--admin-listen {self.settings.admin_listen}: {exc.strerror}") from None
+        self.admin_port = int(runner.addresses[0][1]) if runner.addresses else port
 
     def debug_state(self) -> dict[str, Any]:
         """What ``/debug/state`` shows: the catalog, in-flight counts, and who we are."""

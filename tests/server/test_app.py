@@ -10,6 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from extproc.errors import ConfigError
 from extproc.server.app import Server
 from extproc.settings import ServeSettings, SourceSettings
 
@@ -76,3 +77,18 @@ async def test_metrics_and_debug_state(server: Server) -> None:
     assert "extproc_catalog_models 4.0" in text
     assert state["catalog"]["routes"]["chat"]["upstreamModel"] == "meta-llama/Meta-Llama-3-8B-Instruct"
     assert state["inflight"] == {"127.0.0.1:8000": 1}
+
+
+@pytest.mark.parametrize("which", ["listen", "admin_listen"], ids=["grpc", "admin"])
+async def test_taken_port_is_a_clear_config_error(which: str) -> None:
+    """A port already in use (even by another serve) stops start-up with the flag named."""
+    holder = ServeSettings(
+        source=SourceSettings.parse(f"file:{DATA}"), listen="127.0.0.1:0", admin_listen="127.0.0.1:0"
+    )
+    async with Server(holder) as first:
+        taken = first.grpc_port if which == "listen" else first.admin_port
+        ports = {"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0", which: f"127.0.0.1:{taken}"}
+        second = Server(ServeSettings(source=SourceSettings.parse(f"file:{DATA}"), **ports))
+        flag = "--" + which.replace("_", "-")
+        with pytest.raises(ConfigError, match=flag):
+            await second.start()
