@@ -40,6 +40,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--max-body-bytes", type=int, default=16 * 1024 * 1024, help="larger bodies get 413 (16 MiB)"
     )
     p.add_argument(
+        "--max-buffered-bytes",
+        type=int,
+        default=256 * 1024 * 1024,
+        help="request-body bytes all streams may hold at once; past it, 429 (256 MiB)",
+    )
+    p.add_argument(
         "--max-fallbacks",
         type=int,
         default=2,
@@ -55,6 +61,7 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
         listen=args.listen,
         admin_listen=args.admin_listen,
         max_body_bytes=args.max_body_bytes,
+        max_buffered_bytes=args.max_buffered_bytes,
         max_fallbacks=args.max_fallbacks,
         drain_seconds=args.drain_seconds,
         seed=args.seed,

@@ -60,6 +60,8 @@ class ServeSettings:
     admin_listen: str = "127.0.0.1:9090"
     #: Largest request body accepted, in bytes; larger ones get 413. Default 16 MiB.
     max_body_bytes: int = 16 * 1024 * 1024
+    #: Request-body bytes all streams may hold at once; past it, requests get 429. Default 256 MiB.
+    max_buffered_bytes: int = 256 * 1024 * 1024
     #: How many fallback endpoints follow the pick in ``x-gateway-destination-endpoint``.
     #: Envoy's override_host policy walks the list on retry; ORIGINAL_DST clusters accept a
     #: single address only, so they need 0. Default 2.
@@ -74,6 +76,11 @@ class ServeSettings:
         parse_host_port(self.admin_listen, what="--admin-listen")
         if self.max_body_bytes < 1:
             raise ConfigError(f"--max-body-bytes must be at least 1, got {self.max_body_bytes}")
+        if self.max_buffered_bytes < self.max_body_bytes:
+            raise ConfigError(
+                f"--max-buffered-bytes ({self.max_buffered_bytes}) must be at least --max-body-bytes "
+                f"({self.max_body_bytes}), or no large request could ever pass"
+            )
         if self.max_fallbacks < 0:
             raise ConfigError(f"--max-fallbacks must be 0 or more, got {self.max_fallbacks}")
         if self.drain_seconds < 0:

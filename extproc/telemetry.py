@@ -49,6 +49,11 @@ class Metrics:
         self.streams = Gauge(
             "extproc_streams_active", "Open ext_proc streams (one per HTTP request).", registry=self.registry
         )
+        self.buffered_bytes = Gauge(
+            "extproc_buffered_body_bytes",
+            "Request-body bytes held by streams waiting for their last chunk (see --max-buffered-bytes).",
+            registry=self.registry,
+        )
         self.model_rewrites = Counter(
             "extproc_model_rewrites_total",
             "Requests whose body model was rewritten from an alias to the upstream name.",

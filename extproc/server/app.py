@@ -25,6 +25,7 @@ from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as 
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.scheduler import Scheduler
 from extproc.server.admin import admin_app
+from extproc.server.budget import BodyBudget
 from extproc.server.health import HealthService
 from extproc.server.service import ExternalProcessorService
 from extproc.settings import ServeSettings, parse_host_port
@@ -52,7 +53,9 @@ class Server:
             max_fallbacks=settings.max_fallbacks,
             rng=random.Random(settings.seed),
         )
+        self.budget = BodyBudget(settings.max_buffered_bytes)
         self.metrics.watch_state(catalog=lambda: self.store.current, inflight=self.inflight.snapshot)
+        self.metrics.buffered_bytes.set_function(lambda: self.budget.held)
         self.grpc_port = 0
         self.admin_port = 0
         self._grpc: grpc.aio.Server | None = None
@@ -106,7 +109,7 @@ class Server:
         )
         ep_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessorService(
-                self.scheduler, self.metrics, max_body_bytes=self.settings.max_body_bytes
+                self.scheduler, self.metrics, max_body_bytes=self.settings.max_body_bytes, budget=self.budget
             ),
             server,
         )

@@ -13,6 +13,7 @@ import grpc
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.server import messages
+from extproc.server.budget import BodyBudget
 from extproc.server.stream import RequestStream, Router
 from extproc.telemetry import Metrics
 
@@ -22,17 +23,20 @@ log = logging.getLogger(__name__)
 class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
     """One RequestStream per ext_proc stream; a failure in one never touches another."""
 
-    def __init__(self, router: Router, metrics: Metrics, *, max_body_bytes: int) -> None:
+    def __init__(self, router: Router, metrics: Metrics, *, max_body_bytes: int, budget: BodyBudget) -> None:
         self._router = router
         self._metrics = metrics
         self._max_body = max_body_bytes
+        self._budget = budget
 
     async def Process(
         self,
         request_iterator: AsyncIterator[ep.ProcessingRequest],
         context: grpc.aio.ServicerContext[ep.ProcessingRequest, ep.ProcessingResponse],
     ) -> AsyncIterator[ep.ProcessingResponse]:
-        stream = RequestStream(self._router, self._metrics, max_body_bytes=self._max_body)
+        stream = RequestStream(
+            self._router, self._metrics, max_body_bytes=self._max_body, budget=self._budget
+        )
         self._metrics.streams.inc()
         try:
             async for request in request_iterator:

@@ -20,13 +20,14 @@ import logging
 import time
 from typing import Literal, Protocol
 
-from extproc.errors import BadRequest, BodyTooLarge, ModelNotFound, RequestError
+from extproc.errors import BadRequest, BodyTooLarge, ModelNotFound, Overloaded, RequestError
 from extproc.openai import INFERENCE_PATHS, model_response, models_list, parse_request, rewrite_model
 from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.scheduling.inflight import Lease
 from extproc.scheduling.scheduler import Decision
 from extproc.server import messages
+from extproc.server.budget import BodyBudget
 from extproc.telemetry import Metrics
 from extproc.types import EndpointAddress
 
@@ -51,10 +52,11 @@ class Router(Protocol):
 class RequestStream:
     """State of one ext_proc stream."""
 
-    def __init__(self, router: Router, metrics: Metrics, *, max_body_bytes: int) -> None:
+    def __init__(self, router: Router, metrics: Metrics, *, max_body_bytes: int, budget: BodyBudget) -> None:
         self._router = router
         self._metrics = metrics
         self._max_body = max_body_bytes
+        self._budget = budget
         self._full_duplex = False
         self._headers: dict[str, str] = {}
         self._subset: frozenset[str] | None = None
@@ -81,9 +83,14 @@ class RequestStream:
             return self._reject(error)
 
     def close(self) -> None:
-        """The stream ended: give the endpoint back."""
+        """The stream ended: give the endpoint and any buffered body bytes back."""
+        self._drop_body()
         if self.lease is not None:
             self.lease.release()
+
+    def _drop_body(self) -> None:
+        self._budget.give(len(self._body))
+        self._body = bytearray()
 
     # -- request path -------------------------------------------------------------------------
 
@@ -117,12 +124,14 @@ class RequestStream:
         if self._done:
             # Envoy may still flush chunks after we decided (e.g. after an immediate response race).
             return []
+        if len(self._body) + len(body.body) > self._max_body:
+            self._metrics.body_bytes.observe(len(self._body) + len(body.body))
+            self._drop_body()
+            raise BodyTooLarge(f"request body exceeds the {self._max_body}-byte limit of this gateway")
+        if not self._budget.take(len(body.body)):
+            self._drop_body()
+            raise Overloaded("the router is holding too many request bodies right now; retry shortly")
         self._body += body.body
-        if len(self._body) > self._max_body:
-            self._metrics.body_bytes.observe(len(self._body))
-            raise BodyTooLarge(
-                f"request body exceeds the {self._max_body}-byte limit of this gateway", param=None
-            )
         if not body.end_of_stream:
             return [] if self._full_duplex else [messages.continue_body()]
         return self._decide_with_body(end_of_stream=True)
@@ -136,7 +145,7 @@ class RequestStream:
     def _decide_with_body(self, *, end_of_stream: bool) -> Responses:
         started = time.perf_counter()
         body = bytes(self._body)
-        self._body = bytearray()
+        self._drop_body()
         self._metrics.body_bytes.observe(len(body))
         parsed = parse_request(body)
         decision = self._router.schedule(parsed.model, self._subset)

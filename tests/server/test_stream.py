@@ -13,6 +13,7 @@ from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.scheduler import Scheduler
+from extproc.server.budget import BodyBudget
 from extproc.server.messages import STREAM_CHUNK_BYTES
 from extproc.server.stream import RequestStream
 from extproc.telemetry import Metrics
@@ -40,7 +41,12 @@ def _catalog(endpoints: tuple[Endpoint, ...] = (_endpoint(1), _endpoint(2))) -> 
 
 class Harness:
     def __init__(
-        self, catalog: Catalog | None = None, *, max_body: int = 1 << 20, fallbacks: int = 1
+        self,
+        catalog: Catalog | None = None,
+        *,
+        max_body: int = 1 << 20,
+        fallbacks: int = 1,
+        budget: int = 1 << 30,
     ) -> None:
         self.catalog = catalog or _catalog()
         self.inflight = InFlight()
@@ -49,9 +55,10 @@ class Harness:
         )
         self.metrics = Metrics()
         self.max_body = max_body
+        self.budget = BodyBudget(budget)
 
     def stream(self) -> RequestStream:
-        return RequestStream(self.scheduler, self.metrics, max_body_bytes=self.max_body)
+        return RequestStream(self.scheduler, self.metrics, max_body_bytes=self.max_body, budget=self.budget)
 
 
 def headers(
@@ -295,3 +302,23 @@ def test_trailers_end_the_body() -> None:
     kinds = [r.WhichOneof("response") for r in out]
     assert kinds[0] == "request_headers" and kinds[-1] == "request_trailers"
     assert not out[-2].request_body.response.body_mutation.streamed_response.end_of_stream
+
+
+def test_bodies_held_across_streams_are_capped() -> None:
+    """When streams together hold too many body bytes, the next chunk is shed with 429; bytes come back."""
+    h = Harness(budget=1000)
+    first, second = h.stream(), h.stream()
+    first.handle(headers(mode=FULL_DUPLEX))
+    second.handle(headers(mode=FULL_DUPLEX))
+    assert first.handle(body(b"a" * 800, eos=False)) == []
+    [shed] = second.handle(body(b"b" * 300, eos=False))
+    assert shed.immediate_response.status.code == 429
+    assert orjson.loads(shed.immediate_response.body)["error"]["type"] == "rate_limit_error"
+    assert h.budget.held == 800
+    first.close()
+    assert h.budget.held == 0
+    third = h.stream()
+    third.handle(headers(mode=FULL_DUPLEX))
+    out = third.handle(body(chat(), eos=True))
+    assert out[0].WhichOneof("response") == "request_headers"
+    assert h.budget.held == 0, "a decided request holds no budget"
