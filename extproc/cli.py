@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -22,6 +23,10 @@ from extproc.settings import ServeSettings, SourceSettings
 from extproc.telemetry import configure_logging
 
 log = logging.getLogger("extproc")
+
+# We spawn Envoy (demo, benchmarks) after gRPC threads are running; gRPC's fork handlers only
+# print a warning then. We never fork a process that uses gRPC, so switch them off before gRPC loads.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

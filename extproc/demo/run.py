@@ -1,0 +1,468 @@
+"""``extproc demo``: real Envoy + fake backends + the ext_proc server, on loopback, with a live view.
+
+The point is to show a newcomer the router working with one command, using the same pieces a real
+deployment runs: the shipped ``envoy/gateway.yaml`` (only ports, endpoints and body mode rewritten),
+``serve``'s :class:`~extproc.server.app.Server` reading a file catalog made of the same objects a
+cluster holds, and backends that answer to the upstream model names only (so an alias that was not
+rewritten would get a 404, as from a real engine).
+
+Everything is started under one :class:`contextlib.AsyncExitStack`, so whatever fails or stops the
+demo (an error, Ctrl-C, ``--duration``), everything that was started is stopped, Envoy included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO, cast
+
+import aiohttp
+
+from extproc.demo.backends import Backend
+from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
+from extproc.demo.view import (
+    EndpointRow,
+    Intro,
+    ModelLine,
+    Snapshot,
+    TrafficStats,
+    render_frame,
+    render_intro,
+    render_line,
+)
+from extproc.errors import ConfigError, ExtprocError
+from extproc.gateway.envoy import (
+    BodyMode,
+    EnvoyError,
+    EnvoyProcess,
+    envoy_binary,
+    load_config,
+    render_config,
+    shipped_config,
+)
+from extproc.server.app import Server
+from extproc.settings import ServeSettings, SourceSettings
+from extproc.telemetry import Metrics
+from extproc.types import EndpointAddress
+
+HOST = "127.0.0.1"
+#: A TTY redraws every second; logs get one line every few seconds so they stay readable.
+TTY_INTERVAL = 1.0
+LOG_INTERVAL = 5.0
+#: Enough to show streams in flight in the live view, short enough that curl feels instant.
+_STREAM_CHUNKS = 12
+_STREAM_CHUNK_DELAY = 0.05
+#: The whole chain must answer within this after Envoy is LIVE, or something is miswired.
+_SELF_CHECK_SECONDS = 10.0
+_TRAFFIC_WORKERS = 3
+_TRAFFIC_TIMEOUT = 10.0
+_HIDE_CURSOR, _SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
+
+
+class DemoError(ExtprocError):
+    """The demo could not start or check itself (exit code 1); the message says which part failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class DemoSet:
+    """One worker set the demo runs: its name, the model its backends serve, and one alias."""
+
+    name: str
+    upstream: str
+    alias: str
+    backends: int
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """Validated flags."""
+
+    port: int
+    admin_port: int
+    grpc_port: int
+    backends: int
+    body_mode: BodyMode
+    duration: float | None
+    traffic: bool
+
+    def sets(self) -> tuple[DemoSet, ...]:
+        return (
+            DemoSet("llama-3-8b", "meta-llama/Meta-Llama-3-8B-Instruct", "chat", self.backends),
+            DemoSet("qwen-2-7b", "Qwen/Qwen2-7B-Instruct", "qwen", 1),
+        )
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+
+
+def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``extproc demo`` to the CLI; :func:`run_demo` is its handler."""
+    p = sub.add_parser(
+        "demo",
+        help="run real Envoy + fake model servers + the router on loopback, with a live view",
+        description="Start Envoy, a few fake OpenAI-compatible backends and the ext_proc router on "
+        "127.0.0.1, print curl examples, and show live where requests go. Ctrl-C stops everything.",
+    )
+    p.add_argument("--port", type=int, default=8080, help="gateway listener port (8080)")
+    p.add_argument("--admin-port", type=int, default=9901, help="Envoy admin port (9901)")
+    p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port (9002)")
+    p.add_argument("--backends", type=int, default=3, help="backends of the llama worker set (3)")
+    p.add_argument(
+        "--body-mode",
+        choices=["FULL_DUPLEX_STREAMED", "BUFFERED"],
+        default="FULL_DUPLEX_STREAMED",
+        help="how Envoy sends request bodies to the router (FULL_DUPLEX_STREAMED)",
+    )
+    p.add_argument("--duration", type=float, default=None, help="stop by itself after SECONDS")
+    p.add_argument(
+        "--traffic", action="store_true", help="also send a trickle of sample requests, to watch routing"
+    )
+    p.set_defaults(handler=run_demo)
+
+
+def demo_options(args: argparse.Namespace) -> DemoOptions:
+    """Flags -> options; ConfigError names the flag that is wrong."""
+    ports = {"--port": args.port, "--admin-port": args.admin_port, "--grpc-port": args.grpc_port}
+    for flag, port in ports.items():
+        if not 1 <= port <= 65535:
+            raise ConfigError(f"{flag} must be in 1-65535, got {port}")
+    by_port: dict[int, str] = {}
+    for flag, port in ports.items():
+        if port in by_port:
+            raise ConfigError(f"{by_port[port]} and {flag} are both {port}; they need different ports")
+        by_port[port] = flag
+    if not 1 <= args.backends <= 64:
+        raise ConfigError(f"--backends must be in 1-64, got {args.backends}")
+    if args.duration is not None and not args.duration > 0:
+        raise ConfigError(f"--duration must be a positive number of seconds, got {args.duration}")
+    return DemoOptions(
+        port=args.port,
+        admin_port=args.admin_port,
+        grpc_port=args.grpc_port,
+        backends=args.backends,
+        body_mode=cast(BodyMode, args.body_mode),
+        duration=args.duration,
+        traffic=bool(args.traffic),
+    )
+
+
+def check_ports_free(ports: dict[str, int], host: str = HOST) -> None:
+    """ConfigError naming the first taken port and its flag.
+
+    A plain bind (SO_REUSEADDR only, as Envoy and gRPC also set it) fails if anything listens on
+    the port, including sockets with SO_REUSEPORT: Envoy and gRPC set that too, so without this
+    check a second demo would silently share the first one's ports and traffic.
+    """
+    for flag, port in ports.items():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                reason = exc.strerror or str(exc)
+                raise ConfigError(
+                    f"port {port} on {host} is not available ({reason}); "
+                    f"it is set by {flag}: pick a free one, e.g. {flag} {_suggest_port()}"
+                ) from None
+
+
+def _suggest_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def _check_setup() -> None:
+    """Missing Envoy or config files are the user's setup to fix (exit 2), not a crash."""
+    try:
+        envoy_binary()
+    except EnvoyError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
+        shipped_config("gateway.yaml")
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{exc} (the demo runs from a source checkout)") from None
+
+
+# -- the running demo -----------------------------------------------------------------------------
+
+
+class Demo:
+    """Backends, catalog file, router and Envoy, started in that order and stopped in reverse."""
+
+    def __init__(self, options: DemoOptions) -> None:
+        self.options = options
+        self.url = f"http://{HOST}:{options.port}"
+        self.sets = options.sets()
+        self.backends: list[tuple[DemoSet, Backend]] = []
+        self.server: Server | None = None
+        self.envoy: EnvoyProcess | None = None
+        self.started = time.monotonic()
+        self._stack = contextlib.AsyncExitStack()
+
+    async def __aenter__(self) -> Demo:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def _start(self) -> None:
+        for demo_set in self.sets:
+            for i in range(1, demo_set.backends + 1):
+                backend = Backend(
+                    f"{demo_set.name}-{i}",
+                    models=(demo_set.upstream,),
+                    strict_models=True,
+                    chunks=_STREAM_CHUNKS,
+                    chunk_delay=_STREAM_CHUNK_DELAY,
+                )
+                await backend.start(HOST, 0)
+                self._stack.push_async_callback(backend.stop)
+                self.backends.append((demo_set, backend))
+        tmpdir = self._stack.enter_context(tempfile.TemporaryDirectory(prefix="extproc-demo-"))
+        catalog = Path(tmpdir) / "catalog.yaml"
+        catalog.write_text(catalog_yaml(self._worker_sets()), encoding="utf-8")
+        await self._start_server(catalog)
+        self.envoy = EnvoyProcess(self._envoy_config(), log_path=Path(tmpdir) / "envoy.log")
+        # Envoy's own stop runs even if start fails halfway; registering first covers both.
+        self._stack.push_async_callback(self.envoy.stop)
+        await self.envoy.start()
+        await self._self_check()
+        self.started = time.monotonic()
+
+    def _worker_sets(self) -> list[LocalWorkerSet]:
+        return [
+            LocalWorkerSet(
+                name=s.name,
+                model=s.upstream,
+                aliases=(s.alias,),
+                endpoints=[b.address for owner, b in self.backends if owner == s],
+            )
+            for s in self.sets
+        ]
+
+    async def _start_server(self, catalog: Path) -> None:
+        settings = ServeSettings(
+            source=SourceSettings(kind="file", path=catalog),
+            listen=f"{HOST}:{self.options.grpc_port}",
+            admin_listen=f"{HOST}:0",
+            drain_seconds=1.0,
+        )
+        server = Server(settings)
+        # stop() is safe on a half-started server, so registering first covers every failure point.
+        self._stack.push_async_callback(server.stop)
+        try:
+            await server.start()
+        except (ConfigError, RuntimeError) as exc:
+            # The server names its own flag (--listen); the demo's user set --grpc-port.
+            raise ConfigError(
+                f"the router cannot listen on {HOST}:{self.options.grpc_port} ({exc}); "
+                "pick another port with --grpc-port"
+            ) from None
+        self.server = server
+
+    def _envoy_config(self) -> dict[str, Any]:
+        return render_config(
+            load_config(shipped_config("gateway.yaml")),
+            listen_port=self.options.port,
+            admin_port=self.options.admin_port,
+            extproc_address=(HOST, self.options.grpc_port),
+            pool_endpoints=[(b.host, b.port) for _, b in self.backends],
+            body_mode=self.options.body_mode,
+        )
+
+    async def _self_check(self) -> None:
+        """One ``GET /v1/models`` through Envoy and the router, so the URL we print works."""
+        deadline = time.monotonic() + _SELF_CHECK_SECONDS
+        last = "no answer"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+            while time.monotonic() < deadline:
+                try:
+                    async with session.get(f"{self.url}/v1/models") as resp:
+                        if resp.status == 200:
+                            return
+                        last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    last = f"{type(exc).__name__}: {exc}"
+                await asyncio.sleep(0.1)
+        tail = self.envoy.log_tail() if self.envoy is not None else ""
+        raise DemoError(
+            f"the gateway at {self.url} did not answer GET /v1/models within {_SELF_CHECK_SECONDS} s "
+            f"({last}).\n--- Envoy log ---\n{tail or '(empty)'}"
+        )
+
+    def intro(self) -> Intro:
+        assert self.server is not None and self.envoy is not None
+        return Intro(
+            url=self.url,
+            envoy_admin_url=self.envoy.admin_url,
+            envoy_pid=self.envoy.pid,
+            metrics_url=f"http://{HOST}:{self.server.admin_port}/metrics",
+            body_mode=self.options.body_mode,
+            models=[ModelLine(s.alias, s.upstream, s.backends) for s in self.sets],
+            duration=self.options.duration,
+        )
+
+    def snapshot(self, traffic: TrafficStats | None) -> Snapshot:
+        """What the live view shows now: backends' own counts, the router's in-flight and outcomes."""
+        inflight = self.server.inflight.snapshot() if self.server is not None else {}
+        rows = [
+            EndpointRow(
+                worker_set=s.name,
+                address=b.address,
+                backend=b.name or "",
+                served=b.counters.served,
+                in_flight=inflight.get(EndpointAddress(b.address), 0),
+            )
+            for s, b in self.backends
+        ]
+        outcomes = request_outcomes(self.server.metrics) if self.server is not None else {}
+        return Snapshot(self.url, time.monotonic() - self.started, rows, outcomes, traffic)
+
+
+def request_outcomes(metrics: Metrics) -> dict[str, int]:
+    """``extproc_requests_total`` by outcome, read from the in-process registry (no HTTP scrape)."""
+    out: dict[str, int] = {}
+    for family in metrics.requests.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                out[sample.labels["outcome"]] = int(sample.value)
+    return out
+
+
+# -- sample traffic -------------------------------------------------------------------------------
+
+
+class _Traffic:
+    """Counts of the demo's own sample requests (mutable; the view gets frozen copies)."""
+
+    def __init__(self) -> None:
+        self.sent = self.ok = self.failed = 0
+
+    def stats(self) -> TrafficStats:
+        return TrafficStats(self.sent, self.ok, self.failed)
+
+
+_PROMPTS = ("Hello!", "Summarize the plot of Hamlet.", "Write a haiku about routers.", "What is KV cache?")
+
+
+def _sample_request(rng: random.Random, sets: Sequence[DemoSet]) -> tuple[str, str, dict[str, Any] | None]:
+    """(method, path, JSON body): mostly chats through the first alias, some streams, some others."""
+    first, last = sets[0].alias, sets[-1].alias
+    prompt = rng.choice(_PROMPTS)
+    messages = [{"role": "user", "content": prompt}]
+    roll = rng.random()
+    if roll < 0.45:
+        return "POST", "/v1/chat/completions", {"model": first, "messages": messages}
+    if roll < 0.75:
+        return "POST", "/v1/chat/completions", {"model": first, "messages": messages, "stream": True}
+    if roll < 0.95:
+        return "POST", "/v1/completions", {"model": last, "prompt": prompt, "max_tokens": 16}
+    return "GET", "/v1/models", None
+
+
+async def send_sample_traffic(url: str, sets: Sequence[DemoSet], traffic: _Traffic) -> None:
+    """A few concurrent clients sending sample requests with short random pauses, until cancelled."""
+    timeout = aiohttp.ClientTimeout(total=_TRAFFIC_TIMEOUT)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(_client(session, url, sets, traffic, i) for i in range(_TRAFFIC_WORKERS)))
+
+
+async def _client(
+    session: aiohttp.ClientSession, url: str, sets: Sequence[DemoSet], traffic: _Traffic, seed: int
+) -> None:
+    rng = random.Random(seed)
+    while True:
+        method, path, body = _sample_request(rng, sets)
+        traffic.sent += 1
+        try:
+            async with session.request(method, url + path, json=body) as resp:
+                await resp.read()
+                ok = resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            ok = False
+        if ok:
+            traffic.ok += 1
+        else:
+            traffic.failed += 1
+        await asyncio.sleep(rng.uniform(0.05, 0.5))
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+async def run_demo(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    """The ``demo`` command: start everything, show the live view until stop or ``--duration``."""
+    options = demo_options(args)
+    check_ports_free(
+        {"--port": options.port, "--admin-port": options.admin_port, "--grpc-port": options.grpc_port}
+    )
+    _check_setup()
+    out = sys.stdout
+    tty = out.isatty()
+    traffic = _Traffic() if options.traffic else None
+    async with Demo(options) as demo:
+        intro = render_intro(demo.intro())
+        if not tty:
+            _write(out, intro + "\n")
+        tasks = [asyncio.create_task(_live_view(demo, traffic, intro, out, tty), name="demo-view")]
+        if traffic is not None:
+            tasks.append(
+                asyncio.create_task(send_sample_traffic(demo.url, demo.sets, traffic), name="demo-traffic")
+            )
+        try:
+            reason = await _wait_for_end(stop, options.duration, tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if tty:
+                _write(out, _SHOW_CURSOR)
+        final = demo.snapshot(traffic.stats() if traffic is not None else None)
+    _write(out, f"\nstopped ({reason}); Envoy, router and backends are shut down.\n{render_line(final)}\n")
+
+
+async def _wait_for_end(stop: asyncio.Event, duration: float | None, tasks: list[asyncio.Task[None]]) -> str:
+    """Why the demo ends: a signal, ``--duration``, or a background task failing (re-raised)."""
+    stopper = asyncio.create_task(stop.wait(), name="demo-stop")
+    try:
+        done, _ = await asyncio.wait([stopper, *tasks], timeout=duration, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stopper
+    if stopper in done:
+        return "signal"
+    for task in done:
+        # The view and the traffic loop run until cancelled: ending at all is a bug worth reporting.
+        raise DemoError(f"{task.get_name()} stopped unexpectedly: {task.exception()!r}")
+    return "duration elapsed"
+
+
+async def _live_view(demo: Demo, traffic: _Traffic | None, intro: str, out: TextIO, tty: bool) -> None:
+    """Redraw in place every second on a TTY; otherwise a one-line summary every few seconds."""
+    if tty:
+        _write(out, _HIDE_CURSOR)
+    while True:
+        snapshot = demo.snapshot(traffic.stats() if traffic is not None else None)
+        _write(out, render_frame(snapshot, intro) if tty else render_line(snapshot) + "\n")
+        await asyncio.sleep(TTY_INTERVAL if tty else LOG_INTERVAL)
+
+
+def _write(out: TextIO, text: str) -> None:
+    out.write(text)
+    out.flush()
