@@ -91,39 +91,14 @@ def routed_body_response(
     return response
 
 
-def continue_headers() -> ep.ProcessingResponse:
+def acknowledge(kind: str) -> ep.ProcessingResponse:
+    """An empty answer (carry on unchanged) to the message of ``kind``.
+
+    The oneof member names of ProcessingRequest and ProcessingResponse are the same
+    (``request_headers``, ``response_body``, ...), so the request's kind names the answer's field.
+    """
     response = ep.ProcessingResponse()
-    response.request_headers.SetInParent()
-    return response
-
-
-def continue_body() -> ep.ProcessingResponse:
-    response = ep.ProcessingResponse()
-    response.request_body.SetInParent()
-    return response
-
-
-def continue_trailers() -> ep.ProcessingResponse:
-    response = ep.ProcessingResponse()
-    response.request_trailers.SetInParent()
-    return response
-
-
-def continue_response_headers() -> ep.ProcessingResponse:
-    response = ep.ProcessingResponse()
-    response.response_headers.SetInParent()
-    return response
-
-
-def continue_response_body() -> ep.ProcessingResponse:
-    response = ep.ProcessingResponse()
-    response.response_body.SetInParent()
-    return response
-
-
-def continue_response_trailers() -> ep.ProcessingResponse:
-    response = ep.ProcessingResponse()
-    response.response_trailers.SetInParent()
+    getattr(response, kind).SetInParent()
     return response
 
 

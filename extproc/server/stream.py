@@ -100,7 +100,7 @@ class RequestStream:
         self._subset = messages.subset_hint(request)
         if not request.request_headers.end_of_stream:
             # A body follows. In FULL_DUPLEX the headers answer carries the decision, so it waits.
-            return [] if self._full_duplex else [messages.continue_headers()]
+            return [] if self._full_duplex else [messages.acknowledge("request_headers")]
         return self._bodiless()
 
     def _bodiless(self) -> Responses:
@@ -133,14 +133,14 @@ class RequestStream:
             raise Overloaded("the router is holding too many request bodies right now; retry shortly")
         self._body += body.body
         if not body.end_of_stream:
-            return [] if self._full_duplex else [messages.continue_body()]
+            return [] if self._full_duplex else [messages.acknowledge("request_body")]
         return self._decide_with_body(end_of_stream=True)
 
     def _on_request_trailers(self) -> Responses:
         if self._done:
-            return [messages.continue_trailers()]
+            return [messages.acknowledge("request_trailers")]
         # Trailers end the body when the client sent them.
-        return [*self._decide_with_body(end_of_stream=False), messages.continue_trailers()]
+        return [*self._decide_with_body(end_of_stream=False), messages.acknowledge("request_trailers")]
 
     def _decide_with_body(self, *, end_of_stream: bool) -> Responses:
         started = time.perf_counter()
@@ -198,12 +198,8 @@ class RequestStream:
     # -- response path ------------------------------------------------------------------------
 
     def _on_response(self, kind: str | None) -> Responses:
-        if kind == "response_headers":
-            return [messages.continue_response_headers()]
-        if kind == "response_body":
-            return [messages.continue_response_body()]
-        if kind == "response_trailers":
-            return [messages.continue_response_trailers()]
+        if kind in ("response_headers", "response_body", "response_trailers"):
+            return [messages.acknowledge(kind)]
         log.warning("unexpected ext_proc message request_id=%s kind=%s", self.request_id, kind)
         return []
 
