@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from typing import Literal, Protocol
+from urllib.parse import unquote
 
 from extproc.errors import BadRequest, BodyTooLarge, ModelNotFound, Overloaded, RequestError
 from extproc.openai import INFERENCE_PATHS, model_response, models_list, parse_request, rewrite_model
@@ -109,12 +110,14 @@ class RequestStream:
         if method in ("GET", "HEAD") and path == "/v1/models":
             return self._answer(models_list(self._router.models()))
         if method in ("GET", "HEAD") and path.startswith("/v1/models/"):
-            name = path.removeprefix("/v1/models/")
+            name = unquote(path.removeprefix("/v1/models/"))
             for client, upstream in self._router.models():
                 if client == name:
                     return self._answer(model_response(client, upstream))
             raise ModelNotFound(f"The model '{name}' does not exist.", param="model")
-        if path in INFERENCE_PATHS:
+        if path in INFERENCE_PATHS or method not in ("GET", "HEAD"):
+            # Bodiless writes (e.g. an engine's POST /reset_prefix_cache or /sleep) are not for
+            # clients to send to a pod of our choosing; only reads pass without a model.
             raise BadRequest(f"{method} {path} needs a JSON body with a 'model' field")
         started = time.perf_counter()
         decision = self._router.schedule(None, self._subset)

@@ -322,3 +322,22 @@ def test_bodies_held_across_streams_are_capped() -> None:
     out = third.handle(body(chat(), eos=True))
     assert out[0].WhichOneof("response") == "request_headers"
     assert h.budget.held == 0, "a decided request holds no budget"
+
+
+@pytest.mark.parametrize(
+    "path", ["/reset_prefix_cache", "/sleep?level=1", "/v1/chat/completions"], ids=["reset", "sleep", "chat"]
+)
+def test_bodiless_writes_are_refused(path: str) -> None:
+    """A POST without a body is not routed to a pod: engines' admin endpoints stay out of clients' reach."""
+    h = Harness()
+    [answer] = h.stream().handle(headers("POST", path, eos=True))
+    assert answer.immediate_response.status.code == 400
+    assert h.inflight.total == 0
+
+
+def test_model_lookup_decodes_escapes() -> None:
+    """GET /v1/models/{name} finds a model whether its name is written plainly or %-escaped."""
+    h = Harness()
+    for path in ("/v1/models/llama-3-8b", "/v1/models/llama%2D3%2D8b"):
+        [answer] = h.stream().handle(headers("GET", path, eos=True))
+        assert orjson.loads(answer.immediate_response.body)["id"] == "llama-3-8b"
