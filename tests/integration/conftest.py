@@ -70,6 +70,7 @@ async def routed_gateway(
         config: str = "gateway.yaml",
         max_body_bytes: int = 16 * 1024 * 1024,
         max_fallbacks: int = 2,
+        edit: Callable[[dict[str, Any], list[Backend]], None] | None = None,
         **backend_options: Any,
     ) -> Routed:
         llama = await backends(3, models=[LLAMA], strict_models=True, **backend_options)
@@ -90,7 +91,11 @@ async def routed_gateway(
         servers.append(server)
         pool = None if config == "gateway-original-dst.yaml" else [*llama, qwen]
         gateway = await envoy_gateway(
-            extproc_address=("127.0.0.1", server.grpc_port), pool=pool, config=config, body_mode=body_mode
+            extproc_address=("127.0.0.1", server.grpc_port),
+            pool=pool,
+            config=config,
+            body_mode=body_mode,
+            edit=None if edit is None else lambda rendered: edit(rendered, llama),
         )
         return Routed(gateway.url, server, llama, qwen, catalog_path, gateway)
 

@@ -14,6 +14,8 @@ import aiohttp
 import orjson
 import pytest
 
+from extproc.demo.backends import Backend
+
 from .conftest import LLAMA, QWEN, RoutedFactory
 
 MODES = pytest.mark.parametrize(
@@ -265,3 +267,38 @@ async def test_catalog_file_change_applies_live(routed_gateway: RoutedFactory) -
             assert status == 200
             assert answer["x_backend"]["model"] == LLAMA
         assert gw.llama[2].counters.received == before, "a removed pod still gets traffic"
+
+
+@MODES
+async def test_gateway_subset_hint_is_honoured(routed_gateway: RoutedFactory, body_mode: str) -> None:
+    """A subset hint a gateway filter puts in envoy.lb.subset_hint limits the pick to those pods."""
+
+    def add_subset_filter(config: dict[str, Any], llama: list[Backend]) -> None:
+        allowed = [b.address for b in llama[1:]]
+        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        filters = hcm["http_filters"]
+        index = next(i for i, f in enumerate(filters) if f["name"] == "envoy.filters.http.ext_proc")
+        filters.insert(
+            index,
+            {
+                "name": "envoy.filters.http.set_metadata",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
+                    "metadata": [
+                        {
+                            "metadata_namespace": "envoy.lb.subset_hint",
+                            "value": {"x-gateway-destination-endpoint-subset": allowed},
+                        }
+                    ],
+                },
+            },
+        )
+
+    gw = await routed_gateway(body_mode=body_mode, edit=add_subset_filter)
+    served: Counter[str] = Counter()
+    async with aiohttp.ClientSession() as s:
+        for _ in range(12):
+            status, answer = await post(s, gw.url + CHAT, chat("chat"))
+            assert status == 200, answer
+            served[answer["x_backend"]["address"]] += 1
+    assert set(served) == {b.address for b in gw.llama[1:]}
