@@ -153,17 +153,15 @@ class RequestStream:
         parsed = parse_request(body)
         decision = self._router.schedule(parsed.model, self._subset)
         route = decision.route
+        rewritten: bytes | None = None
         if route is not None and route.is_alias:
-            body = rewrite_model(parsed, route.upstream_model)
+            rewritten = rewrite_model(parsed, route.upstream_model)
             self._metrics.model_rewrites.inc()
-            rewritten = True
-        else:
-            rewritten = False
         if not self._full_duplex:
-            return [self._routed(decision, started, phase="body", body=body if rewritten else None)]
+            return [self._routed(decision, started, phase="body", body=rewritten)]
         return [
             self._routed(decision, started, phase="headers"),
-            *messages.streamed_body(body, end_of_stream=end_of_stream),
+            *messages.streamed_body(body if rewritten is None else rewritten, end_of_stream=end_of_stream),
         ]
 
     def _routed(
