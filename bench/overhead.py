@@ -41,7 +41,8 @@ from grpc_load import chat_body, closed_loop, machine_busy_seconds, percentiles,
 
 from extproc.demo.backends import Backend
 from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
-from extproc.gateway import envoy as gw
+from extproc.gateway.config import EXTPROC_FILTER, HCM_FILTER, load_config, render_config, shipped_config
+from extproc.gateway.process import EnvoyProcess, envoy_binary
 
 MODEL, ALIAS = "bench-model", "bench-alias"
 # "fd_resp_skip": FULL_DUPLEX with response_header_mode SKIP, to price the response-headers round trip.
@@ -107,8 +108,8 @@ async def stop_process(proc: asyncio.subprocess.Process) -> None:
 
 def gateway_config(kind: str, ports: tuple[int, int, int], pool: list[Backend]) -> dict[str, Any]:
     listen, admin, extproc_port = ports
-    config = gw.render_config(
-        gw.load_config(gw.shipped_config("gateway.yaml")),
+    config = render_config(
+        load_config(shipped_config("gateway.yaml")),
         listen_port=listen,
         admin_port=admin,
         extproc_address=("127.0.0.1", extproc_port),
@@ -118,9 +119,9 @@ def gateway_config(kind: str, ports: tuple[int, int, int], pool: list[Backend]) 
     )
     if kind == "direct":
         listener = next(x for x in config["static_resources"]["listeners"] if x["name"] == "gateway")
-        hcm = next(f for f in listener["filter_chains"][0]["filters"] if f["name"] == gw.HCM_FILTER)
+        hcm = next(f for f in listener["filter_chains"][0]["filters"] if f["name"] == HCM_FILTER)
         filters = hcm["typed_config"]["http_filters"]
-        filters[:] = [f for f in filters if f["name"] != gw.EXTPROC_FILTER]
+        filters[:] = [f for f in filters if f["name"] != EXTPROC_FILTER]
     return config
 
 
@@ -203,7 +204,7 @@ def machine() -> dict[str, Any]:
         "cores_usable": len(os.sched_getaffinity(0)),
         "loadavg_at_start": os.getloadavg(),
         "python": platform.python_version(),
-        "envoy": _run(gw.envoy_binary(), "--version").split("version:")[-1].strip(),
+        "envoy": _run(envoy_binary(), "--version").split("version:")[-1].strip(),
         "grpcio": grpc.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git_commit": _run(*git, "rev-parse", "HEAD"),
@@ -239,12 +240,12 @@ async def run(quick: bool) -> dict[str, Any]:
         grpc_port, admin_port = free_port(), free_port()
         proc = await start_serve(tmp, grpc_port, admin_port)
         stack.push_async_callback(stop_process, proc)
-        envoys: dict[str, gw.EnvoyProcess] = {}
+        envoys: dict[str, EnvoyProcess] = {}
         urls: dict[str, str] = {}
         for kind in GATEWAYS:
             ports = (free_port(), free_port(), grpc_port)
             envoys[kind] = await stack.enter_async_context(
-                gw.EnvoyProcess(gateway_config(kind, ports, pool), concurrency=1)
+                EnvoyProcess(gateway_config(kind, ports, pool), concurrency=1)
             )
             urls[kind] = f"http://127.0.0.1:{ports[0]}/v1/chat/completions"
         rounds, per_round, warmup = (3, 100, 50) if quick else (5, 400, 200)

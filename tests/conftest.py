@@ -21,14 +21,8 @@ import pytest
 from ports import free_port
 
 from extproc.demo.backends import Backend
-from extproc.gateway.envoy import (
-    BodyMode,
-    EnvoyProcess,
-    HeaderSendMode,
-    load_config,
-    render_config,
-    shipped_config,
-)
+from extproc.gateway.config import BodyMode, HeaderSendMode, load_config, render_config, shipped_config
+from extproc.gateway.process import EnvoyProcess
 
 StartBackends = Callable[..., Awaitable[list[Backend]]]
 

@@ -40,15 +40,8 @@ from extproc.demo.view import (
     render_line,
 )
 from extproc.errors import ConfigError, ExtprocError
-from extproc.gateway.envoy import (
-    BodyMode,
-    EnvoyError,
-    EnvoyProcess,
-    envoy_binary,
-    load_config,
-    render_config,
-    shipped_config,
-)
+from extproc.gateway.config import BodyMode, load_config, render_config, shipped_config
+from extproc.gateway.process import EnvoyError, EnvoyProcess, envoy_binary
 from extproc.server.app import Server
 from extproc.settings import ServeSettings, SourceSettings
 from extproc.telemetry import Metrics

@@ -1,4 +1,4 @@
-"""The shipped Envoy configs and the Envoy launcher, against the real Envoy binary."""
+"""The shipped Envoy configs and :mod:`extproc.gateway.config`; real Envoy validates and runs them."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import copy
 import hashlib
 import io
 import json
-import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -15,16 +13,8 @@ import aiohttp
 import pytest
 from ports import free_port
 
-from extproc.gateway.envoy import (
-    EXTPROC_FILTER,
-    EnvoyConfigError,
-    EnvoyProcess,
-    EnvoyStartError,
-    load_config,
-    render_config,
-    shipped_config,
-    validate_config,
-)
+from extproc.gateway.config import EXTPROC_FILTER, load_config, render_config, shipped_config
+from extproc.gateway.process import validate_config
 
 CONFIGS = ["gateway.yaml", "gateway-original-dst.yaml"]
 BODY_MODES = ["FULL_DUPLEX_STREAMED", "BUFFERED"]
@@ -74,14 +64,6 @@ def _endpoints(cluster: dict[str, Any]) -> list[tuple[str, int]]:
         for group in cluster["load_assignment"]["endpoints"]
         for e in group["lb_endpoints"]
     ]
-
-
-def _pid_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 # -- shipped configs ----------------------------------------------------------------------------------
@@ -266,108 +248,6 @@ def test_load_config_rejects_a_non_mapping(tmp_path: Path) -> None:
 def test_shipped_config_names_a_missing_file() -> None:
     with pytest.raises(FileNotFoundError, match=r"no-such\.yaml"):
         shipped_config("no-such.yaml")
-
-
-async def test_validate_config_reports_envoys_message() -> None:
-    config = _render("gateway.yaml")
-    _cluster(config, "pool")["type"] = "NOT_A_TYPE"
-    with pytest.raises(EnvoyConfigError, match="NOT_A_TYPE"):
-        await validate_config(config)
-
-
-# -- EnvoyProcess -------------------------------------------------------------------------------------
-
-
-def _live_config(name: str = "gateway.yaml") -> dict[str, Any]:
-    return _render(
-        name,
-        listen_port=free_port(),
-        admin_port=free_port(),
-        extproc_address=("127.0.0.1", free_port()),
-        pool_endpoints=None if "original-dst" in name else [("127.0.0.1", free_port())],
-    )
-
-
-async def test_envoy_process_starts_real_envoy_and_leaves_nothing_behind(tmp_path: Path) -> None:
-    config = _live_config()
-    log = tmp_path / "envoy.log"
-    async with EnvoyProcess(
-        config, admin_port=config["admin"]["address"]["socket_address"]["port_value"], log_path=log
-    ) as envoy:
-        pid = envoy.pid
-        assert pid is not None
-        assert (await envoy.admin_get("/ready")).strip() == "LIVE"
-        assert "extproc::" in await envoy.admin_get("/clusters")
-        # The active gRPC health check on the extproc cluster is wired (nothing listens: it fails).
-        assert await envoy.wait_for_stat("cluster.extproc.health_check.attempt", 1) >= 1
-        stats = await envoy.stats("^cluster\\.pool\\.")
-        assert stats, "expected cluster.pool.* counters"
-        assert all(name.startswith("cluster.pool.") for name in stats)
-        config_path = envoy.config_path
-        assert config_path is not None
-        assert config_path.exists()
-    assert envoy.returncode == 0  # SIGTERM is a clean shutdown for Envoy
-    assert envoy.pid is None
-    assert _pid_gone(pid)
-    assert not config_path.exists()  # temp dir removed
-    assert log.exists()  # a caller-chosen log is kept
-
-
-async def test_two_envoys_run_side_by_side() -> None:
-    async with (
-        EnvoyProcess(_live_config()) as a,
-        EnvoyProcess(_live_config("gateway-original-dst.yaml")) as b,
-    ):
-        assert a.pid != b.pid
-        assert (await a.admin_get("/ready")).strip() == (await b.admin_get("/ready")).strip() == "LIVE"
-
-
-async def test_envoy_process_reports_a_broken_config_with_the_log_tail() -> None:
-    config = _live_config()
-    _cluster(config, "pool")["type"] = "NOT_A_TYPE"
-    envoy = EnvoyProcess(config)
-    with pytest.raises(EnvoyStartError) as info:
-        await envoy.start()
-    text = str(info.value)
-    assert "exited with code 1" in text
-    assert "last lines of Envoy's log" in text
-    assert "NOT_A_TYPE" in text  # Envoy's own words
-    assert envoy.pid is None
-    assert envoy.log_path is None  # temp log cleaned up with the temp dir
-
-
-async def test_envoy_process_reports_a_port_conflict(tmp_path: Path) -> None:
-    # A plain listening socket (no SO_REUSEPORT) blocks Envoy's listener. Note that two *Envoys* can
-    # share a listener port: Envoy sets SO_REUSEPORT by default and the kernel splits connections.
-    config = _live_config()
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", _listener(config)["address"]["socket_address"]["port_value"]))
-        holder.listen()
-        with pytest.raises(EnvoyStartError, match=r"(?s)exited with code.*ddress already in use"):
-            async with EnvoyProcess(config, log_path=tmp_path / "clash.log"):
-                pass
-
-
-async def test_envoy_process_times_out_and_kills_envoy() -> None:
-    envoy = EnvoyProcess(_live_config(), startup_timeout=0.0)
-    with pytest.raises(EnvoyStartError, match=r"not LIVE on http://127\.0\.0\.1:\d+ within 0\.0 s"):
-        await envoy.start()
-    assert envoy.pid is None
-    assert envoy.returncode is not None
-
-
-def test_envoy_process_checks_the_admin_port() -> None:
-    config = _live_config()
-    with pytest.raises(ValueError, match="differs from the config's admin port"):
-        EnvoyProcess(config, admin_port=1)
-
-
-async def test_stop_is_idempotent() -> None:
-    envoy = EnvoyProcess(_live_config())
-    await envoy.start()
-    await envoy.stop()
-    await envoy.stop()
-    assert envoy.returncode == 0
 
 
 # -- the shipped configs route traffic (no ext_proc server needed) ---------------------------------------
