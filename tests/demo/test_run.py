@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 from ports import free_port
+from processes import pid_gone
 
 from extproc.demo.run import Demo, check_ports_free, demo_options
 from extproc.errors import ConfigError
@@ -161,18 +162,10 @@ async def _first_sse_chunk(session: aiohttp.ClientSession, url: str, body: dict[
     return chunk
 
 
-def _pid_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 async def _assert_all_stopped(run: DemoRun) -> None:
     """Envoy's pid is gone, its admin API does not answer, and every demo port can be bound again."""
     deadline = time.monotonic() + 5
-    while not _pid_gone(run.envoy_pid):
+    while not pid_gone(run.envoy_pid):
         assert time.monotonic() < deadline, f"Envoy pid {run.envoy_pid} still alive after the demo exited"
         await asyncio.sleep(0.05)
     admin = run.ports["--admin-port"]

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from ports import free_port
+from processes import pid_gone
 
 from extproc.gateway.config import load_config, render_config, shipped_config
 from extproc.gateway.process import EnvoyConfigError, EnvoyProcess, EnvoyStartError, validate_config
@@ -37,14 +38,6 @@ def _listener(config: dict[str, Any]) -> dict[str, Any]:
 
 def _cluster(config: dict[str, Any], name: str) -> dict[str, Any]:
     return next(x for x in config["static_resources"]["clusters"] if x["name"] == name)
-
-
-def _pid_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 async def test_validate_config_reports_envoys_message() -> None:
@@ -77,7 +70,7 @@ async def test_envoy_process_starts_real_envoy_and_leaves_nothing_behind(tmp_pat
         assert config_path.exists()
     assert envoy.returncode == 0  # SIGTERM is a clean shutdown for Envoy
     assert envoy.pid is None
-    assert _pid_gone(pid)
+    assert pid_gone(pid)
     assert not config_path.exists()  # temp dir removed
     assert log.exists()  # a caller-chosen log is kept
 
