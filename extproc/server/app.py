@@ -29,13 +29,15 @@ from extproc.server.budget import BodyBudget
 from extproc.server.health import HealthService
 from extproc.server.service import ExternalProcessorService
 from extproc.settings import ServeSettings, parse_host_port
-from extproc.sources.file import FileSource
+from extproc.sources.file import FileSource, ReloadOutcome
 from extproc.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 
 #: gRPC message headroom over the body limit (Envoy sends at most one body chunk per message).
 _GRPC_OVERHEAD = 64 * 1024
+#: The per-connection buffer limit of the shipped Envoy configs: the largest body chunk they send.
+_ENVOY_CHUNK_MAX = 32 * 1024 * 1024
 
 
 class Server:
@@ -46,7 +48,7 @@ class Server:
         self.store = CatalogStore()
         self.inflight = InFlight()
         self.metrics = Metrics()
-        self.source = FileSource(settings.source)
+        self.source = FileSource(settings.source, on_reload=self._count_reload)
         self.scheduler = Scheduler(
             lambda: self.store.current,
             self.inflight,
@@ -84,9 +86,12 @@ class Server:
             len(catalog.routes),
         )
 
+    def _count_reload(self, outcome: ReloadOutcome) -> None:
+        if outcome != "unchanged":
+            self.metrics.source_reloads.labels(outcome).inc()
+
     def _publish(self, catalog: Catalog) -> None:
         self.store.publish(catalog)
-        self.metrics.source_reloads.labels("ok").inc()
         log.info(
             "catalog reloaded worker_sets=%d models=%d problems=%d conflicts=%d",
             len(catalog.worker_sets),
@@ -96,7 +101,9 @@ class Server:
         )
 
     async def _start_grpc(self) -> None:
-        limit = self.settings.max_body_bytes + _GRPC_OVERHEAD
+        # Envoy sends a body chunk as large as its buffer limit (32 MiB in the shipped configs) in one
+        # message; refusing it at the gRPC layer would turn into a bare 500 instead of our 413.
+        limit = max(self.settings.max_body_bytes, _ENVOY_CHUNK_MAX) + _GRPC_OVERHEAD
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", limit),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -92,3 +93,25 @@ async def test_taken_port_is_a_clear_config_error(which: str) -> None:
         flag = "--" + which.replace("_", "-")
         with pytest.raises(ConfigError, match=flag):
             await second.start()
+
+
+async def test_broken_catalog_edit_is_counted_and_keeps_routes(tmp_path: Path) -> None:
+    """A catalog file that stops parsing keeps the last catalog and shows up as a failed reload."""
+    path = tmp_path / "catalog.yaml"
+    path.write_text(DATA.read_text())
+    settings = ServeSettings(
+        source=SourceSettings.parse(f"file:{path}", poll_interval=0.02),
+        listen="127.0.0.1:0",
+        admin_listen="127.0.0.1:0",
+    )
+    async with Server(settings) as server, aiohttp.ClientSession() as s:
+        path.write_text("kind: [unclosed\n")
+        failed = 'extproc_catalog_reloads_total{result="failed"} 1.0'
+        for _ in range(250):
+            async with s.get(f"http://127.0.0.1:{server.admin_port}/metrics") as r:
+                if failed in await r.text():
+                    break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the failed reload never showed in /metrics")
+        assert server.store.current.resolve("chat") is not None
