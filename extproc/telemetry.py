@@ -18,8 +18,7 @@ from prometheus_client.registry import Collector
 from extproc.catalog.model import Catalog
 from extproc.types import EndpointAddress
 
-#: Outcome labels of ``extproc_requests_total``: ``routed``, ``answered`` (we replied ourselves,
-#: e.g. ``GET /v1/models``), or the error code of :mod:`extproc.errors`.
+#: Seconds; a decision is normally well under a millisecond, so the buckets start at 100 µs.
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 
@@ -30,7 +29,8 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         self.requests = Counter(
             "extproc_requests_total",
-            "Requests seen by the ext_proc server, by outcome.",
+            "Requests seen by the ext_proc server, by outcome: routed, answered (we replied "
+            "ourselves, e.g. GET /v1/models), or the error code (model_not_found, ...).",
             ["outcome"],
             registry=self.registry,
         )

@@ -104,26 +104,37 @@ class DemoRun:
 StartDemo = Callable[..., Awaitable[DemoRun]]
 
 
+def _free_ports() -> dict[str, int]:
+    return {"--port": free_port(), "--admin-port": free_port(), "--grpc-port": free_port()}
+
+
+async def _spawn_demo(
+    ports: dict[str, int], *flags: str, new_session: bool = False
+) -> asyncio.subprocess.Process:
+    """``python -m extproc demo`` on the given ports; its own session lets teardown kill the group."""
+    args = [arg for flag, port in ports.items() for arg in (flag, str(port))]
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "extproc",
+        "demo",
+        *args,
+        *flags,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=new_session,
+    )
+
+
 @pytest.fixture
 async def demo() -> AsyncIterator[StartDemo]:
     """Factory: ``await demo(*extra_flags) -> DemoRun`` on free ports, intro already printed."""
     runs: list[DemoRun] = []
 
     async def start(*flags: str) -> DemoRun:
-        ports = {"--port": free_port(), "--admin-port": free_port(), "--grpc-port": free_port()}
-        args = [arg for flag, port in ports.items() for arg in (flag, str(port))]
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "extproc",
-            "demo",
-            *args,
-            *flags,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-        )
+        ports = _free_ports()
+        proc = await _spawn_demo(ports, *flags, new_session=True)
         run = DemoRun(proc, ports)
         runs.append(run)
         await run.ready()
@@ -237,23 +248,13 @@ async def test_demo_buffered_mode_stops_by_itself_after_duration(demo: StartDemo
 async def test_taken_port_is_a_clear_setup_error(flag: str, reuseport: bool) -> None:
     """Exit 2 naming the port and the flag, before anything starts; SO_REUSEPORT holders included
     (Envoy and gRPC listen that way, so a second demo would otherwise share the first one's port)."""
-    ports = {"--port": free_port(), "--admin-port": free_port(), "--grpc-port": free_port()}
+    ports = _free_ports()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
         if reuseport:
             holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         holder.bind(("127.0.0.1", ports[flag]))
         holder.listen()
-        args = [arg for f, port in ports.items() for arg in (f, str(port))]
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "extproc",
-            "demo",
-            *args,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
+        proc = await _spawn_demo(ports)
         try:
             out, err = await asyncio.wait_for(proc.communicate(), EXIT_SECONDS)
         finally:

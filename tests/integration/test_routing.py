@@ -36,6 +36,12 @@ async def post(session: aiohttp.ClientSession, url: str, payload: Any, **kw: Any
         return r.status, (json.loads(body) if r.content_type == "application/json" else body)
 
 
+def slow_stream(session: aiohttp.ClientSession, url: str, model: str, *, chunks: int) -> Any:
+    """A streamed completion the fake pod drips out at 20 chunks/s, to hold a request open."""
+    headers = {"x-backend-chunks": str(chunks), "x-backend-chunk-delay": "0.05"}
+    return session.post(url + CHAT, json=chat(model, stream=True), headers=headers)
+
+
 async def eventually(check: Callable[[], bool], *, within: float = 5.0) -> None:
     """Wait for state another process changes; fail with a clear message after ``within``."""
     deadline = asyncio.get_running_loop().time() + within
@@ -191,11 +197,7 @@ async def test_inflight_held_while_streaming_and_released_at_end(
     inflight = gw.server.inflight
     async with (
         aiohttp.ClientSession() as s,
-        s.post(
-            gw.url + CHAT,
-            json=chat("chat", stream=True),
-            headers={"x-backend-chunks": "20", "x-backend-chunk-delay": "0.05"},
-        ) as r,
+        slow_stream(s, gw.url, "chat", chunks=20) as r,
     ):
         first = await r.content.readline()
         assert first.startswith(b"data: ")
@@ -210,11 +212,7 @@ async def test_killed_backend_does_not_wedge_inflight(routed_gateway: RoutedFact
     gw = await routed_gateway(body_mode=body_mode)
     inflight = gw.server.inflight
     async with aiohttp.ClientSession() as s:
-        async with s.post(
-            gw.url + CHAT,
-            json=chat(LLAMA, stream=True),
-            headers={"x-backend-chunks": "200", "x-backend-chunk-delay": "0.05"},
-        ) as streaming:
+        async with slow_stream(s, gw.url, LLAMA, chunks=200) as streaming:
             first = json.loads((await streaming.content.readline())[6:])
             [victim] = [b for b in gw.llama if b.address == first["x_backend"]["address"]]
             assert inflight.total == 1
@@ -235,11 +233,7 @@ async def test_client_disconnect_releases_inflight(routed_gateway: RoutedFactory
     gw = await routed_gateway(body_mode=body_mode)
     inflight = gw.server.inflight
     async with aiohttp.ClientSession() as s:
-        r = await s.post(
-            gw.url + CHAT,
-            json=chat("chat", stream=True),
-            headers={"x-backend-chunks": "200", "x-backend-chunk-delay": "0.05"},
-        )
+        r = await slow_stream(s, gw.url, "chat", chunks=200)
         await r.content.readline()
         assert inflight.total == 1
         r.close()
