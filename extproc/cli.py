@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     from extproc.demo.run import add_demo_parser
 
     add_demo_parser(sub)
+    from extproc.sim.run import add_sim_parser
+
+    add_sim_parser(sub)
     return parser
 
 

@@ -1,0 +1,187 @@
+"""The exact bytes vLLM publishes for a batch of KV-cache events (pure; no sockets).
+
+vLLM encodes ``KVEventBatch`` msgspec Structs with a default ``msgspec.msgpack.Encoder()``. To be
+byte-for-byte identical we do the same with Structs that mirror vLLM's declarations, rather than
+hand-building dicts: msgspec's output depends on the *Struct definition*, not only on the values.
+Two examples where a hand-rolled encoder (or the ``msgpack`` library) would differ:
+
+- ``array_like`` Structs ignore ``omit_defaults``, so the array era (vLLM <= 0.23) always writes
+  every field, defaults included (``BlockStored`` is 12 elements in 0.22).
+- With ``omit_defaults`` msgspec reserves the map header for the *declared* field count before it
+  knows how many fields it will omit: 16 declared entries (tag + 15 fields) give a map16 header
+  ``de 00 09`` even when only 9 entries are written. vLLM 0.33's live capture starts
+  ``93 cb <ts> 91 de 00 09 a4 "type"``; our map Structs therefore declare 0.33's full field list
+  (``locality``, ``ownership``, ``session_id``, ``lookahead_token_ids`` are always nil, hence omitted).
+  vLLM 0.24-0.29 declared fewer fields and wrote a fixmap header (``8x``); decoders cannot tell.
+
+The batch itself is ``array_like`` in every version: ``[ts: float64, events, data_parallel_rank]``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from extproc.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+
+class EventEncoding(enum.StrEnum):
+    """How each event is encoded inside a batch (functions here also accept the plain values)."""
+
+    #: vLLM <= 0.23: ``[tag, field, ...]``, the 0.22 field set, every field present.
+    ARRAYS = "arrays"
+    #: vLLM >= 0.24: ``{"type": tag, ...}``; fields defaulting to nil are omitted when nil.
+    MAPS = "maps"
+
+
+class HashFormat(enum.StrEnum):
+    """How block hashes go on the wire (functions here also accept the plain values)."""
+
+    #: vLLM's default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``): the digest's low 64 bits, uint64.
+    INT = "int"
+    #: The raw digest as msgpack bin (``=0``).
+    BYTES = "bytes"
+
+
+WireHash = int | bytes
+_U64_MASK = (1 << 64) - 1
+#: vLLM's GPU block pool always fills ``group_idx`` with the KV-cache group, 0 for plain models.
+_GROUP_IDX = 0
+
+
+def wire_hash(digest: bytes, hash_format: HashFormat | str) -> WireHash:
+    """A block digest as vLLM puts it on the wire (``maybe_convert_block_hash``)."""
+    if hash_format == HashFormat.INT:
+        return int.from_bytes(digest, "big") & _U64_MASK
+    if hash_format == HashFormat.BYTES:
+        return digest
+    raise ValueError(f"unknown hash format {hash_format!r}")
+
+
+# --- Structs mirroring vllm/distributed/kv_events.py ---------------------------------------------
+# Tags are given explicitly because our class names differ from vLLM's; the tag field is "type".
+
+
+class _EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class _ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """vLLM 0.22 ``KVCacheEvent``: a tagged array."""
+
+
+class _ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
+    block_hashes: list[WireHash]
+    parent_block_hash: WireHash | None
+    token_ids: Sequence[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[WireHash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class _ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """vLLM >= 0.24 ``KVCacheEvent``: a tagged map (``array_like`` was dropped)."""
+
+
+class _MapBlockStored(_MapEvent, tag="BlockStored"):
+    # Declaration order is the map key order; the full 0.33 list also fixes the header width.
+    block_hashes: list[WireHash]
+    parent_block_hash: WireHash | None
+    token_ids: Sequence[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class _MapBlockRemoved(_MapEvent, tag="BlockRemoved"):
+    block_hashes: list[WireHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _MapAllBlocksCleared(_MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+_STRUCTS: dict[str, tuple[type[Any], type[Any], type[Any]]] = {
+    EventEncoding.ARRAYS: (_ArrayBlockStored, _ArrayBlockRemoved, _ArrayAllBlocksCleared),
+    EventEncoding.MAPS: (_MapBlockStored, _MapBlockRemoved, _MapAllBlocksCleared),
+}
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _to_struct(event: KVEvent, structs: tuple[type[Any], type[Any], type[Any]], hash_format: str) -> Any:
+    stored_cls, removed_cls, cleared_cls = structs
+    if isinstance(event, BlockStored):
+        parent = event.parent_block_hash
+        return stored_cls(
+            block_hashes=[wire_hash(h, hash_format) for h in event.block_hashes],
+            parent_block_hash=None if parent is None else wire_hash(parent, hash_format),
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+            lora_id=event.lora_id,
+            medium=event.medium,
+            lora_name=event.lora_name,
+            group_idx=_GROUP_IDX,
+        )
+    if isinstance(event, BlockRemoved):
+        return removed_cls(
+            block_hashes=[wire_hash(h, hash_format) for h in event.block_hashes],
+            medium=event.medium,
+            group_idx=_GROUP_IDX,
+        )
+    if isinstance(event, AllBlocksCleared):
+        return cleared_cls()
+    raise TypeError(f"not a KV event: {event!r}")
+
+
+def encode_batch(
+    events: Sequence[KVEvent],
+    *,
+    ts: float,
+    dp_rank: int,
+    encoding: EventEncoding | str,
+    hash_format: HashFormat | str,
+) -> bytes:
+    """One engine step's events as the msgpack payload vLLM's ``ZmqEventPublisher`` sends.
+
+    ``ts`` is the step's wall-clock ``time.time()``; it is always written as a float64.
+    """
+    try:
+        structs = _STRUCTS[encoding]
+    except KeyError:
+        raise ValueError(f"unknown event encoding {encoding!r}") from None
+    wire_events = [_to_struct(event, structs, hash_format) for event in events]
+    batch = _EventBatch(ts=float(ts), events=wire_events, data_parallel_rank=dp_rank)
+    return _ENCODER.encode(batch)

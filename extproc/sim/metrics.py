@@ -1,0 +1,156 @@
+"""``/metrics`` with vLLM's names and labels (``model_name``, ``engine``), one registry per server.
+
+Gauges and counters that describe engine state are read from the engines at scrape time (they
+cannot drift from it); latencies are observed as requests produce them. Time metrics are in
+*simulated* seconds, i.e. what the engine model says a real GPU would take, whatever
+``--time-scale`` is, so they compare with real vLLM numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+#: vLLM's ``vllm:time_to_first_token_seconds`` buckets.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+#: vLLM's request-latency buckets (e2e, queue time).
+REQUEST_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class RankStats:
+    """One data-parallel rank's state at scrape time."""
+
+    engine: str
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class _EngineStateCollector(Collector):
+    def __init__(
+        self, model_name: str, stats: Callable[[], Sequence[RankStats]], cache_config: Mapping[str, str]
+    ):
+        self._model_name = model_name
+        self._stats = stats
+        self._cache_config = dict(cache_config)
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["model_name", "engine"]
+        gauges = {
+            "running": GaugeMetricFamily(
+                "vllm:num_requests_running", "Number of requests in model execution batches.", labels=labels
+            ),
+            "waiting": GaugeMetricFamily(
+                "vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels=labels
+            ),
+            "usage": GaugeMetricFamily(
+                "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=labels
+            ),
+        }
+        counters = {
+            "queries": CounterMetricFamily(
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                labels=labels,
+            ),
+            "hits": CounterMetricFamily(
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                labels=labels,
+            ),
+            "preemptions": CounterMetricFamily(
+                "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels=labels
+            ),
+            "prompt": CounterMetricFamily(
+                "vllm:prompt_tokens", "Number of prefill tokens processed.", labels=labels
+            ),
+            "generation": CounterMetricFamily(
+                "vllm:generation_tokens", "Number of generation tokens processed.", labels=labels
+            ),
+        }
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=[*sorted(self._cache_config), "engine"],
+        )
+        for rank in self._stats():
+            values = [self._model_name, rank.engine]
+            gauges["running"].add_metric(values, rank.num_running)
+            gauges["waiting"].add_metric(values, rank.num_waiting)
+            gauges["usage"].add_metric(values, rank.kv_cache_usage)
+            counters["queries"].add_metric(values, rank.prefix_cache_queries)
+            counters["hits"].add_metric(values, rank.prefix_cache_hits)
+            counters["preemptions"].add_metric(values, rank.num_preemptions)
+            counters["prompt"].add_metric(values, rank.prompt_tokens)
+            counters["generation"].add_metric(values, rank.generation_tokens)
+            info.add_metric([self._cache_config[k] for k in sorted(self._cache_config)] + [rank.engine], 1.0)
+        yield from gauges.values()
+        yield from counters.values()
+        yield info
+
+
+class SimMetrics:
+    """The simulator's registry: engine state at scrape time, request latencies as observed."""
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        stats: Callable[[], Sequence[RankStats]],
+        cache_config: Mapping[str, str],
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineStateCollector(model_name, stats, cache_config))
+        labels = ["model_name", "engine"]
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            labels,
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            labels,
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
+        )
+        self.success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+
+    def observe_first_token(self, engine: str, *, ttft: float, queue_time: float) -> None:
+        self.ttft.labels(self.model_name, engine).observe(ttft)
+        self.queue_time.labels(self.model_name, engine).observe(queue_time)
+
+    def observe_finished(self, engine: str, *, e2e: float, finish_reason: str) -> None:
+        self.e2e.labels(self.model_name, engine).observe(e2e)
+        self.success.labels(self.model_name, engine, finish_reason).inc()

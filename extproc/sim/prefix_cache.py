@@ -1,0 +1,346 @@
+"""vLLM v1's GPU block pool with prefix caching, for one DP rank, and the KV events it emits.
+
+Faithful where a KV-aware router depends on it (``v1/core/block_pool.py``, ``kv_cache_manager.py``):
+
+* Blocks are chained by content: a full block's hash covers its parent's hash, its tokens and the
+  LoRA name, so equal prefixes share hashes and adapters live in separate namespaces. Partial tails
+  are never hashed or cached.
+* Physical blocks are ref-counted. Unreferenced blocks sit in an LRU free queue *and stay cached*
+  until allocation pops them (least recently freed first); only then are they evicted, one
+  ``BlockRemoved`` per hash. Requests free their blocks tail first, so tails are evicted before heads.
+* Two physical blocks may hold the same hash (two requests computed the same block concurrently);
+  each copy is announced and each eviction is announced, so subscribers must ref-count per hash.
+* A lookup never covers the whole prompt: at least one token is recomputed (vLLM needs logits).
+
+The hash is our own (sha256 over a fixed byte layout), not vLLM's pickle/CBOR: routers must treat
+engine hashes as opaque handles and hash the events' ``token_ids`` themselves (reference §2.2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from extproc.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+#: vLLM 0.29+'s fixed seed for the parent of the first block when PYTHONHASHSEED is unset.
+DEFAULT_HASH_SEED = "vllm-none-hash"
+
+
+def none_hash(seed: str = DEFAULT_HASH_SEED) -> bytes:
+    """The parent digest of a request's first block (vLLM's NONE_HASH), derived from a seed string."""
+    return hashlib.sha256(seed.encode()).digest()
+
+
+NONE_HASH = none_hash()
+
+
+def block_hash(parent: bytes | None, token_ids: Sequence[int], lora_name: str | None) -> bytes:
+    """The 32-byte digest of one full block, chained on its parent's digest.
+
+    Layout: parent (or NONE_HASH), token count and tokens as little-endian uint32, then the LoRA name
+    as the extra key. The count prefix keeps the encoding unambiguous whatever the LoRA name.
+    """
+    digest = hashlib.sha256(NONE_HASH if parent is None else parent)
+    digest.update(struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids))
+    if lora_name is not None:
+        digest.update(b"lora\x00" + lora_name.encode())
+    return digest.digest()
+
+
+def extend_block_hashes(
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, lora_name: str | None
+) -> None:
+    """Append the digests of the full blocks of ``token_ids`` that ``hashes`` does not cover yet.
+
+    Incremental, like vLLM's per-request block hasher: generated tokens extend the chain as blocks fill.
+    """
+    parent = hashes[-1] if hashes else None
+    for index in range(len(hashes), len(token_ids) // block_size):
+        start = index * block_size
+        parent = block_hash(parent, token_ids[start : start + block_size], lora_name)
+        hashes.append(parent)
+
+
+@dataclass(slots=True)
+class _Seq:
+    """The blocks one running request holds, in sequence order."""
+
+    blocks: list[int]
+    #: Leading blocks already in the cache (hits plus blocks this request cached).
+    num_cached: int
+    lora_name: str | None
+    lora_id: int | None
+
+
+class PrefixCache:
+    """A fixed pool of ``num_blocks`` KV blocks of ``block_size`` tokens with prefix caching.
+
+    ``published_block_size`` (a multiple k of ``block_size``) models vLLM 0.12+ KV groups whose
+    blocks are coarser than the hash granularity: events then describe aligned groups of k blocks
+    (see :class:`GroupPublisher`). All state is bounded by ``num_blocks``
+    except the pending events, which the engine takes once per step.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, published_block_size: int | None = None) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+        published = block_size if published_block_size is None else published_block_size
+        if published < block_size or published % block_size:
+            raise ValueError(
+                f"published_block_size must be a multiple of block_size {block_size}, got {published}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.published_block_size = published
+        self._ref = [0] * num_blocks
+        self._hash: list[bytes | None] = [None] * num_blocks
+        # Unreferenced blocks, least recently freed first; cached ones keep their hash until popped.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Hash -> physical blocks holding it (usually one; several when computed concurrently).
+        self._cached: dict[bytes, list[int]] = {}
+        self._seqs: dict[str, _Seq] = {}
+        self._events: list[KVEvent] = []
+        self._groups = GroupPublisher(published // block_size) if published > block_size else None
+        #: Prompt tokens looked up and tokens found cached (vLLM's prefix_cache_queries / _hits).
+        self.queries = 0
+        self.hits = 0
+
+    # -- accounting ------------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        """Unreferenced blocks, cached or not (what allocation can use)."""
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by requests (``vllm:kv_cache_usage_perc``)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def num_blocks_of(self, request_id: str) -> int:
+        """Blocks the request holds (0 when it holds none)."""
+        seq = self._seqs.get(request_id)
+        return 0 if seq is None else len(seq.blocks)
+
+    def cached_hashes(self) -> Counter[bytes]:
+        """Multiset of cached digests at the published granularity: what the events describe."""
+        if self._groups is not None:
+            return self._groups.cached()
+        return Counter({digest: len(blocks) for digest, blocks in self._cached.items()})
+
+    def take_events(self) -> list[KVEvent]:
+        """The events emitted since the last call, in order."""
+        events, self._events = self._events, []
+        return events
+
+    # -- lookup and allocation -------------------------------------------------------------------
+
+    def longest_hit(self, hashes: Sequence[bytes], num_tokens: int) -> int:
+        """Leading blocks of ``hashes`` that are cached, capped so one of ``num_tokens`` is recomputed."""
+        limit = min(len(hashes), max(0, num_tokens - 1) // self.block_size)
+        cached = self._cached
+        hit = 0
+        while hit < limit and hashes[hit] in cached:
+            hit += 1
+        return hit
+
+    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one lookup in tokens, as vLLM's PrefixCacheStats does for a newly scheduled request."""
+        self.queries += num_tokens
+        self.hits += num_hit_tokens
+
+    def allocate(
+        self,
+        request_id: str,
+        hashes: Sequence[bytes],
+        num_hit_blocks: int,
+        num_tokens: int,
+        *,
+        lora_name: str | None = None,
+        lora_id: int | None = None,
+    ) -> bool:
+        """Give a new request its cache hits plus new blocks for ``num_tokens`` tokens in total.
+
+        ``num_hit_blocks`` comes from :meth:`longest_hit` in the same step. Returns False and changes
+        nothing when the free blocks (hits sitting in the free queue do not count) are too few.
+        """
+        if request_id in self._seqs:
+            raise ValueError(f"request {request_id!r} already holds blocks")
+        hit_blocks = [self._cached[digest][0] for digest in hashes[:num_hit_blocks]]
+        needed = max(0, -(-num_tokens // self.block_size) - num_hit_blocks)
+        evictable_hits = sum(1 for block in hit_blocks if self._ref[block] == 0)
+        if needed > len(self._free) - evictable_hits:
+            return False
+        for block in hit_blocks:
+            if self._ref[block] == 0:
+                del self._free[block]
+            self._ref[block] += 1
+        hit_blocks.extend(self._pop_free() for _ in range(needed))
+        self._seqs[request_id] = _Seq(hit_blocks, num_hit_blocks, lora_name, lora_id)
+        return True
+
+    def grow(self, request_id: str, num_tokens: int) -> bool:
+        """Make the request's blocks cover ``num_tokens``; False (nothing changed) if too few are free."""
+        seq = self._seqs[request_id]
+        needed = -(-num_tokens // self.block_size) - len(seq.blocks)
+        if needed <= 0:
+            return True
+        if needed > len(self._free):
+            return False
+        seq.blocks.extend(self._pop_free() for _ in range(needed))
+        return True
+
+    def cache_blocks(
+        self, request_id: str, hashes: Sequence[bytes], token_ids: Sequence[int], num_computed_tokens: int
+    ) -> None:
+        """Cache the request's blocks that became full, with one ``BlockStored`` for the new span.
+
+        ``hashes`` must cover every full block of the computed tokens. Blocks already cached for the
+        request (its hits included) are not announced again.
+        """
+        seq = self._seqs[request_id]
+        start = seq.num_cached
+        full = min(num_computed_tokens // self.block_size, len(seq.blocks))
+        if full <= start:
+            return
+        for index in range(start, full):
+            block, digest = seq.blocks[index], hashes[index]
+            self._hash[block] = digest
+            copies = self._cached.get(digest)
+            if copies is None:
+                self._cached[digest] = [block]
+            else:
+                copies.append(block)
+        seq.num_cached = full
+        size = self.block_size
+        if self._groups is not None:
+            event = self._groups.stored(seq, hashes, token_ids, start, full, size)
+            if event is not None:
+                self._events.append(event)
+            return
+        self._events.append(
+            BlockStored(
+                block_hashes=tuple(hashes[start:full]),
+                parent_block_hash=hashes[start - 1] if start else None,
+                token_ids=tuple(token_ids[start * size : full * size]),
+                block_size=size,
+                lora_id=seq.lora_id,
+                lora_name=seq.lora_name,
+            )
+        )
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks, tail first, so its tail is evicted before its head."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return
+        ref, free = self._ref, self._free
+        for block in reversed(seq.blocks):
+            ref[block] -= 1
+            if ref[block] == 0:
+                free[block] = None
+
+    def reset(self) -> bool:
+        """Drop every cached hash (vLLM's ``reset_prefix_cache``); refused while any block is in use."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for blocks in self._cached.values():
+            for block in blocks:
+                self._hash[block] = None
+        self._cached.clear()
+        if self._groups is not None:
+            self._groups.clear()
+        self._events.append(AllBlocksCleared())
+        return True
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _pop_free(self) -> int:
+        """Take the least recently freed block, evicting the hash it still holds."""
+        block, _ = self._free.popitem(last=False)
+        digest = self._hash[block]
+        if digest is not None:
+            self._hash[block] = None
+            copies = self._cached[digest]
+            copies.remove(block)
+            if not copies:
+                del self._cached[digest]
+            if self._groups is None:
+                self._events.append(BlockRemoved((digest,)))
+            else:
+                self._events.extend(self._groups.evicted(block))
+        self._ref[block] = 1
+        return block
+
+
+class GroupPublisher:
+    """Events for KV groups publishing k hash-blocks as one coarse block (vLLM 0.12+, reference §1.8).
+
+    A group is announced when the last of its k aligned sub-blocks is cached by a request; its hash is
+    that last sub-block's digest (what vLLM's ``BlockHashListWithBlockSize`` takes). Each announcement
+    is an *instance* pinned to the k physical sub-blocks the request held; the instance's hash is
+    removed once, when the first of those sub-blocks is evicted. At most one instance is created per
+    caching of a physical block, so the maps stay bounded by the pool size.
+    """
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self._instances: dict[int, tuple[bytes, tuple[int, ...]]] = {}
+        self._by_block: dict[int, list[int]] = {}
+        self._next_id = 0
+
+    def stored(
+        self,
+        seq: _Seq,
+        hashes: Sequence[bytes],
+        token_ids: Sequence[int],
+        start: int,
+        full: int,
+        block_size: int,
+    ) -> BlockStored | None:
+        """Announce the groups whose last sub-block is among the newly cached ``[start, full)``."""
+        k = self.k
+        first, end = start // k, full // k
+        if first >= end:
+            return None
+        for group in range(first, end):
+            members = tuple(seq.blocks[group * k : (group + 1) * k])
+            instance = self._next_id
+            self._next_id += 1
+            self._instances[instance] = (hashes[(group + 1) * k - 1], members)
+            for block in members:
+                self._by_block.setdefault(block, []).append(instance)
+        span = k * block_size
+        return BlockStored(
+            block_hashes=tuple(hashes[(group + 1) * k - 1] for group in range(first, end)),
+            parent_block_hash=hashes[first * k - 1] if first else None,
+            token_ids=tuple(token_ids[first * span : end * span]),
+            block_size=span,
+            lora_id=seq.lora_id,
+            lora_name=seq.lora_name,
+        )
+
+    def evicted(self, block: int) -> list[BlockRemoved]:
+        """Remove every live group instance the evicted sub-block belonged to."""
+        removed = []
+        for instance in self._by_block.pop(block, ()):
+            digest, members = self._instances.pop(instance)
+            for other in members:
+                if other != block:
+                    siblings = self._by_block[other]
+                    siblings.remove(instance)
+                    if not siblings:
+                        del self._by_block[other]
+            removed.append(BlockRemoved((digest,)))
+        return removed
+
+    def clear(self) -> None:
+        self._instances.clear()
+        self._by_block.clear()
+
+    def cached(self) -> Counter[bytes]:
+        return Counter(digest for digest, _ in self._instances.values())

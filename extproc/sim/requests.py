@@ -1,0 +1,239 @@
+"""OpenAI request bodies -> what the simulated engine generates, validated the way vLLM does.
+
+Pure: no sockets, no engine. :func:`parse_completion` and :func:`parse_chat` turn a decoded JSON
+body into a :class:`Generation` (prompt token ids, how many tokens to produce, which model or LoRA
+adapter, streaming options) or raise :class:`SimRequestError` with the status and message vLLM
+would answer (400 for bad bodies and context overflows, 404 for unknown models).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from extproc.errors import BadRequest
+from extproc.tokenize import ChatTemplate, Tokenizer, tokenize_chat
+
+
+class SimRequestError(Exception):
+    """A request the simulated engine refuses; ``status`` and ``error_type`` as vLLM answers them."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    @property
+    def error_type(self) -> str:
+        return "NotFoundError" if self.status == 404 else "BadRequestError"
+
+    def as_json(self) -> dict[str, Any]:
+        """vLLM's error body (0.10+): OpenAI's shape with the status as ``code``."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """A name clients may ask for: a base model name, or a LoRA adapter on top of the base."""
+
+    name: str
+    root: str
+    #: For a LoRA adapter: its name (the cache namespace) and vLLM's 1-based integer id.
+    lora_name: str | None = None
+    lora_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One request as the engine sees it."""
+
+    model: ServedModel
+    prompt_token_ids: tuple[int, ...]
+    #: Exactly how many tokens to produce.
+    output_tokens: int
+    #: ``length`` when ``output_tokens`` is what the client's max_tokens allowed, else ``stop``.
+    finish_reason: str
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_model_len: int
+    #: Tokens produced for a chat request without ``max_tokens`` (a real model stops at EOS).
+    default_output_tokens: int
+
+
+#: vLLM's ``CompletionRequest.max_tokens`` default.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def resolve_model(models: Mapping[str, ServedModel], body: Mapping[str, Any]) -> ServedModel:
+    """The served model named by ``body["model"]``; vLLM takes the first one when it is missing."""
+    name = body.get("model")
+    if name is None:
+        return next(iter(models.values()))
+    if not isinstance(name, str):
+        raise SimRequestError(400, "'model' must be a string", param="model")
+    served = models.get(name)
+    if served is None:
+        raise SimRequestError(404, f"The model `{name}` does not exist.", param="model")
+    return served
+
+
+def parse_completion(
+    body: Any, *, models: Mapping[str, ServedModel], tokenizer: Tokenizer, limits: Limits
+) -> Generation:
+    """``POST /v1/completions``: one prompt, as text or token ids."""
+    body = _object(body)
+    model = resolve_model(models, body)
+    prompt_ids = completion_prompt_ids(body.get("prompt"), tokenizer, add_special_tokens=True)
+    max_tokens = _max_tokens(body, ("max_tokens",), default=COMPLETIONS_DEFAULT_MAX_TOKENS)
+    return _generation(body, model, prompt_ids, max_tokens, limits)
+
+
+def parse_chat(
+    body: Any,
+    *,
+    models: Mapping[str, ServedModel],
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    limits: Limits,
+) -> Generation:
+    """``POST /v1/chat/completions``: messages rendered with the chat template, then tokenized."""
+    body = _object(body)
+    model = resolve_model(models, body)
+    prompt_ids = chat_prompt_ids(body, tokenizer, template)
+    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), default=None)
+    return _generation(body, model, prompt_ids, max_tokens, limits)
+
+
+def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, *, add_special_tokens: bool) -> tuple[int, ...]:
+    """A prompt as vLLM accepts it: a string, a token-id list, or a batch of exactly one of those."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise SimRequestError(400, "'prompt' must not be empty", param="prompt")
+        return tuple(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise SimRequestError(
+                400, f"Token id {bad[0]} is out of vocabulary (size {tokenizer.vocab_size})", param="prompt"
+            )
+        return tuple(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise SimRequestError(400, "the simulator serves one prompt per request, got a batch", param="prompt")
+    raise SimRequestError(400, "'prompt' must be a string or a list of token ids", param="prompt")
+
+
+def chat_prompt_ids(body: Mapping[str, Any], tokenizer: Tokenizer, template: ChatTemplate) -> tuple[int, ...]:
+    """The token ids vLLM's chat path produces: template render, then encode without special tokens."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise SimRequestError(400, "'messages' must be a non-empty list of objects", param="messages")
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise SimRequestError(400, "'tools' must be a list of objects", param="tools")
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
+    if not isinstance(kwargs, dict):
+        raise SimRequestError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    add_generation_prompt = _flag(body, "add_generation_prompt", True)
+    continue_final = _flag(body, "continue_final_message", False)
+    if add_generation_prompt and continue_final:
+        raise SimRequestError(
+            400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    try:
+        ids = tokenize_chat(
+            tokenizer,
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final,
+            tools=tools,
+            chat_template_kwargs=kwargs,
+            add_special_tokens=_flag(body, "add_special_tokens", False),
+        )
+    except BadRequest as exc:
+        # Template errors, refused template kwargs, non-text parts: the message says which.
+        raise SimRequestError(400, exc.message, param=exc.param or "messages") from None
+    return tuple(ids)
+
+
+def _generation(
+    body: Mapping[str, Any],
+    model: ServedModel,
+    prompt_ids: Sequence[int],
+    max_tokens: int | None,
+    limits: Limits,
+) -> Generation:
+    if body.get("n", 1) != 1:
+        raise SimRequestError(400, "the simulator serves n=1 only", param="n")
+    prompt_len = len(prompt_ids)
+    if prompt_len >= limits.max_model_len:
+        raise SimRequestError(
+            400,
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, your "
+            f"request has {prompt_len} input tokens. Please reduce the length of the input messages.",
+            param="messages" if "messages" in body else "prompt",
+        )
+    room = limits.max_model_len - prompt_len
+    if max_tokens is not None and max_tokens > room:
+        raise SimRequestError(
+            400,
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+            f"context length is {limits.max_model_len} tokens and your request has {prompt_len} input "
+            f"tokens ({max_tokens} > {limits.max_model_len} - {prompt_len}).",
+            param="max_tokens",
+        )
+    if max_tokens is None:
+        output, reason = min(limits.default_output_tokens, room), "stop"
+    else:
+        output, reason = max_tokens, "length"
+    stream = _flag(body, "stream", False)
+    options = body.get("stream_options")
+    options = {} if options is None else options
+    if not isinstance(options, dict):
+        raise SimRequestError(400, "'stream_options' must be an object", param="stream_options")
+    include_usage = bool(options.get("include_usage", False))
+    if include_usage and not stream:
+        raise SimRequestError(400, "Stream options can only be defined when `stream=True`.")
+    return Generation(model, tuple(prompt_ids), output, reason, stream, include_usage)
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise SimRequestError(400, "the request body must be a JSON object")
+    return body
+
+
+def _max_tokens(body: Mapping[str, Any], keys: Sequence[str], *, default: int | None) -> int | None:
+    for key in keys:
+        value = body.get(key)
+        if value is None:
+            continue
+        if type(value) is not int or value < 1:
+            raise SimRequestError(400, f"'{key}' must be a positive integer, got {value!r}", param=key)
+        return value
+    return default
+
+
+def _flag(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise SimRequestError(400, f"'{key}' must be true or false, got {value!r}", param=key)
+    return value

@@ -1,0 +1,212 @@
+"""``extproc sim``: flags -> :class:`SimSettings` -> one engine, or a fleet of ``--replicas``.
+
+Flag names follow ``vllm serve`` where vLLM has the same knob (``--served-model-name``,
+``--lora-modules``, ``--block-size``, ``--num-gpu-blocks-override``, ``--max-num-seqs``,
+``--max-num-batched-tokens``, ``--max-model-len``, ``--data-parallel-size``,
+``--enable-prompt-tokens-details``), so a command line reads like the real one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from extproc.errors import ConfigError
+from extproc.sim.engine_core import EngineParams
+from extproc.sim.fleet import SimFleet
+from extproc.sim.kv_wire import EventEncoding, HashFormat
+from extproc.sim.settings import (
+    KVEventSettings,
+    KVFaults,
+    LoraModule,
+    SimSettings,
+)
+
+_ENGINE_DEFAULTS = EngineParams()
+_DEFAULTS = SimSettings()
+
+
+def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``extproc sim`` to the CLI; :func:`run_sim` is its handler."""
+    d = _ENGINE_DEFAULTS
+    p = sub.add_parser(
+        "sim",
+        help="run a vLLM-compatible simulated model server (OpenAI API, /metrics, KV events over ZMQ)",
+        description="A simulated vLLM engine on loopback: OpenAI-compatible HTTP, a real tokenizer and "
+        "chat template, a prefix cache publishing vLLM's KV events over ZMQ, and a latency model. "
+        "Defaults resemble an 8B model on one H100 (see extproc/sim/README.md).",
+    )
+    g = p.add_argument_group("serving")
+    g.add_argument("--listen", default="127.0.0.1:8000", help="HTTP address (127.0.0.1:8000); port 0 = any")
+    g.add_argument("--replicas", type=int, default=1, help="engines to start, on consecutive ports (1)")
+    g.add_argument(
+        "--model", default=_DEFAULTS.model, help=f"model path or id, /v1/models root ({_DEFAULTS.model})"
+    )
+    g.add_argument("--served-model-name", nargs="+", default=[], help="names clients use (default: --model)")
+    g.add_argument(
+        "--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="LoRA adapters to serve"
+    )
+    g.add_argument(
+        "--tokenizer", type=Path, default=None, help="tokenizer dir (default: the shipped tiny one)"
+    )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        help="template file, or a shipped one: chatml, llama3 (default: the tokenizer's, else llama3)",
+    )
+    g.add_argument(
+        "--default-output-tokens",
+        type=int,
+        default=_DEFAULTS.default_output_tokens,
+        help="tokens generated for a chat request without max_tokens (128)",
+    )
+    g.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens",
+    )
+    g = p.add_argument_group("engine model")
+    g.add_argument(
+        "--block-size", type=int, default=d.block_size, help=f"tokens per KV block ({d.block_size})"
+    )
+    g.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=d.num_gpu_blocks,
+        help=f"KV blocks per rank ({d.num_gpu_blocks})",
+    )
+    g.add_argument(
+        "--max-num-seqs", type=int, default=d.max_num_seqs, help=f"running batch cap ({d.max_num_seqs})"
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help=f"token budget per step ({d.max_num_batched_tokens})",
+    )
+    g.add_argument(
+        "--max-model-len", type=int, default=d.max_model_len, help=f"context window ({d.max_model_len})"
+    )
+    g.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=d.prefill_tokens_per_s,
+        help=f"prefill throughput ({d.prefill_tokens_per_s:g})",
+    )
+    g.add_argument(
+        "--decode-base-ms",
+        type=float,
+        default=d.decode_base_s * 1000,
+        help=f"fixed cost of one engine step ({d.decode_base_s * 1000:g} ms)",
+    )
+    g.add_argument(
+        "--decode-per-seq-ms",
+        type=float,
+        default=d.decode_per_seq_s * 1000,
+        help=f"extra step time per running sequence ({d.decode_per_seq_s * 1000:g} ms)",
+    )
+    g.add_argument("--data-parallel-size", type=int, default=1, help="DP ranks, each its own cache (1)")
+    g.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per simulated second (1.0)")
+    g = p.add_argument_group("KV events (vLLM's ZMQ publisher)")
+    g.add_argument(
+        "--kv-events-port", type=int, default=None, help="PUB port of rank 0; 0 = any; off if unset"
+    )
+    g.add_argument(
+        "--kv-replay-port", type=int, default=None, help="ROUTER replay port of rank 0; off if unset"
+    )
+    g.add_argument("--kv-topic", default="", help="topic frame of every message (empty)")
+    g.add_argument(
+        "--kv-encoding",
+        choices=[e.value for e in EventEncoding],
+        default=EventEncoding.MAPS.value,
+        help="arrays = vLLM <= 0.23, maps = vLLM >= 0.24 (maps)",
+    )
+    g.add_argument(
+        "--kv-hash-format",
+        choices=[h.value for h in HashFormat],
+        default=HashFormat.INT.value,
+        help="int = uint64 (vLLM default), bytes = 32-byte digest (int)",
+    )
+    g.add_argument(
+        "--kv-replay-frames",
+        type=int,
+        choices=[3, 4],
+        default=4,
+        help="replay replies without (vLLM <= 0.25) or with (>= 0.26) the topic frame (4)",
+    )
+    g.add_argument("--kv-buffer-steps", type=int, default=10_000, help="batches kept for replay (10000)")
+    g.add_argument(
+        "--published-block-size",
+        type=int,
+        default=None,
+        help="publish coarser blocks than --block-size (a multiple of it), as hybrid models do",
+    )
+    g.add_argument("--kv-drop-probability", type=float, default=0.0, help="lose this share of batches (0)")
+    g.add_argument("--kv-delay-ms", type=float, default=0.0, help="publish every batch this late (0)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the fault injection (0)")
+    p.set_defaults(handler=run_sim)
+
+
+def sim_settings(args: argparse.Namespace) -> SimSettings:
+    """Flags -> settings; ConfigError names the flag that is wrong."""
+    engine = EngineParams(
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks_override,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        decode_base_s=args.decode_base_ms / 1000,
+        decode_per_seq_s=args.decode_per_seq_ms / 1000,
+        published_block_size=args.published_block_size or args.block_size,
+    )
+    kv: KVEventSettings | None = None
+    if args.kv_events_port is not None:
+        kv = KVEventSettings(
+            port=args.kv_events_port,
+            replay_port=args.kv_replay_port,
+            topic=args.kv_topic,
+            encoding=EventEncoding(args.kv_encoding),
+            hash_format=HashFormat(args.kv_hash_format),
+            replay_topic_frame=args.kv_replay_frames == 4,
+            buffer_steps=args.kv_buffer_steps,
+            faults=KVFaults(drop_probability=args.kv_drop_probability, delay_seconds=args.kv_delay_ms / 1000),
+        )
+    elif args.kv_replay_port is not None:
+        raise ConfigError("--kv-replay-port needs --kv-events-port (replay serves what the publisher sent)")
+    return SimSettings(
+        listen=args.listen,
+        model=args.model,
+        served_model_names=tuple(args.served_model_name),
+        lora_modules=tuple(LoraModule.parse(spec) for spec in args.lora_modules),
+        tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
+        engine=engine,
+        data_parallel_size=args.data_parallel_size,
+        time_scale=args.time_scale,
+        default_output_tokens=args.default_output_tokens,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        kv_events=kv,
+        seed=args.seed,
+    )
+
+
+async def run_sim(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    """The ``sim`` command: start the engine(s), print where they listen, serve until stopped."""
+    settings = sim_settings(args)
+    async with SimFleet(settings, replicas=args.replicas) as fleet:
+        for server in fleet.servers:
+            print(_describe(server.state()), flush=True)
+        await stop.wait()
+
+
+def _describe(state: dict[str, Any]) -> str:
+    parts = [f"sim http://{state['address']} model={state['served_model_names'][0]}"]
+    for rank in state["ranks"]:
+        kv = rank.get("kv_events")
+        if kv is not None:
+            replay = f" replay={kv['replay_endpoint']}" if kv["replay_endpoint"] else ""
+            parts.append(f"rank {rank['dp_rank']}: kv={kv['endpoint']}{replay}")
+    return "  ".join(parts)
