@@ -162,6 +162,7 @@ def sim_settings(args: argparse.Namespace) -> SimSettings:
         decode_per_seq_s=args.decode_per_seq_ms / 1000,
         published_block_size=args.published_block_size or args.block_size,
     )
+    faults = KVFaults(drop_probability=args.kv_drop_probability, delay_seconds=args.kv_delay_ms / 1000)
     kv: KVEventSettings | None = None
     if args.kv_events_port is not None:
         kv = KVEventSettings(
@@ -172,10 +173,18 @@ def sim_settings(args: argparse.Namespace) -> SimSettings:
             hash_format=HashFormat(args.kv_hash_format),
             replay_topic_frame=args.kv_replay_frames == 4,
             buffer_steps=args.kv_buffer_steps,
-            faults=KVFaults(drop_probability=args.kv_drop_probability, delay_seconds=args.kv_delay_ms / 1000),
+            faults=faults,
         )
-    elif args.kv_replay_port is not None:
-        raise ConfigError("--kv-replay-port needs --kv-events-port (replay serves what the publisher sent)")
+    else:
+        # KV-event flags without a publisher would be silently ignored: say so instead.
+        for flag, value, default in (
+            ("--kv-replay-port", args.kv_replay_port, None),
+            ("--kv-topic", args.kv_topic, ""),
+            ("--kv-drop-probability", args.kv_drop_probability, 0.0),
+            ("--kv-delay-ms", args.kv_delay_ms, 0.0),
+        ):
+            if value != default:
+                raise ConfigError(f"{flag} needs --kv-events-port (the publisher it configures is off)")
     return SimSettings(
         listen=args.listen,
         model=args.model,

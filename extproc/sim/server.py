@@ -119,6 +119,8 @@ class SimServer:
             model_name=self.base_name, stats=self._rank_stats, cache_config=self._cache_config()
         )
         self.ranks: list[Rank] = []
+        #: Requests the engine generated to the end (all ranks), for in-process views like the demo's.
+        self.requests_finished = 0
         self.started_at = time.time()
         self._filler = self.tokenizer.encode(_FILLER, add_special_tokens=False)
         self._ids = itertools.count(1)
@@ -236,6 +238,8 @@ class SimServer:
     def _observe(self, engine: str, out: RequestOutput) -> None:
         if out.ttft is not None:
             self.metrics.observe_first_token(engine, ttft=out.ttft, queue_time=out.queue_time or 0.0)
+        if out.finished:
+            self.requests_finished += 1
         if out.finished and out.e2e is not None:
             self.metrics.observe_finished(engine, e2e=out.e2e, finish_reason=out.finish_reason or "length")
 
