@@ -9,11 +9,17 @@ is not the Service's, two sets claiming one name) becomes a human-readable probl
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from extproc.catalog.fields import IntOrString
 from extproc.catalog.model import Catalog, Endpoint, NameConflict, ObjectProblem, Route, WorkerSet
 from extproc.catalog.resources import EndpointSlice, InferenceWorkerSet, Service
-from extproc.types import EndpointAddress, ModelName, WorkerSetKey
+from extproc.types import EndpointAddress, ModelName
+
+#: The Service port names the CRD falls back to (see inferenceworkerset.schema.json).
+KV_REPLAY_PORT_NAME = "kv-replay"
+METRICS_PORT_NAME = "metrics"
 
 _Claim = tuple[WorkerSet, ModelName]
 
@@ -64,7 +70,7 @@ def _join(spec: InferenceWorkerSet, service: Service | None, slices: list[Endpoi
         if not slices:
             problems.append(f"no EndpointSlices for Service {spec.namespace}/{spec.service_name} yet")
         for endpoint_slice in slices:
-            _collect(spec.key, endpoint_slice, port_name, ready, terminating, problems)
+            _collect(spec, endpoint_slice, port_name, ready, terminating, problems)
     if not spec.models and spec.discovery_mode == "Static":
         problems.append("modelDiscovery.mode is Static but spec.models is empty; the set serves nothing")
     elif not spec.models:
@@ -99,7 +105,7 @@ def _service_port_name(spec: InferenceWorkerSet, service: Service | None, proble
 
 
 def _collect(
-    key: WorkerSetKey,
+    spec: InferenceWorkerSet,
     endpoint_slice: EndpointSlice,
     port_name: str,
     ready: dict[str, Endpoint],
@@ -118,6 +124,7 @@ def _collect(
             named = f'named "{port_name}"' if port_name else "without a name"
             problems.append(f"{where} has no port number {named}; its endpoints are not used")
         return
+    ports = _SidePorts.resolve(spec, endpoint_slice, default_metrics=port, problems=problems)
     for endpoint in endpoint_slice.endpoints:
         host = f"[{endpoint.address}]" if endpoint_slice.address_type == "IPv6" else endpoint.address
         address = f"{host}:{port}"
@@ -125,7 +132,60 @@ def _collect(
             terminating.add(address)
         # ready=None means "unknown" in Kubernetes; routing to it beats refusing the request.
         elif endpoint.ready is not False and address not in ready:
-            ready[address] = Endpoint(EndpointAddress(address), endpoint.address, port, key, endpoint.pod)
+            ready[address] = Endpoint(
+                EndpointAddress(address),
+                endpoint.address,
+                port,
+                spec.key,
+                endpoint.pod,
+                kv_events_port=ports.kv_events,
+                kv_replay_port=ports.kv_replay,
+                metrics_port=ports.metrics,
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class _SidePorts:
+    """The pod ports besides the serving one: KV events, their replay, Prometheus metrics."""
+
+    kv_events: int | None
+    kv_replay: int | None
+    metrics: int
+
+    @classmethod
+    def resolve(
+        cls,
+        spec: InferenceWorkerSet,
+        endpoint_slice: EndpointSlice,
+        *,
+        default_metrics: int,
+        problems: list[str],
+    ) -> _SidePorts:
+        """Numbers are pod ports as given; names are looked up among the slice's (Service) port names."""
+        named = {p.name: p.port for p in endpoint_slice.ports if p.port is not None}
+        where = f"EndpointSlice {endpoint_slice.namespace}/{endpoint_slice.name}"
+
+        def lookup(ref: IntOrString | None, field: str) -> int | None:
+            if ref is None or isinstance(ref, int):
+                return ref
+            if ref in named:
+                return named[ref]
+            listing = ", ".join(sorted(n for n in named if n)) or "none"
+            problems.append(f'spec.{field} "{ref}" is not a port name of {where} (names: {listing})')
+            return None
+
+        kv_events = kv_replay = None
+        if spec.kv_events is not None:
+            kv_events = lookup(spec.kv_events.port, "kvEvents.port")
+            if spec.kv_events.replay_port is not None:
+                kv_replay = lookup(spec.kv_events.replay_port, "kvEvents.replayPort")
+            else:
+                kv_replay = named.get(KV_REPLAY_PORT_NAME)
+        if spec.metrics_port is not None:
+            metrics = lookup(spec.metrics_port, "metricsPort") or default_metrics
+        else:
+            metrics = named.get(METRICS_PORT_NAME, default_metrics)
+        return cls(kv_events, kv_replay, metrics)
 
 
 def _age(ws: WorkerSet) -> tuple[bool, datetime, str]:

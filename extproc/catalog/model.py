@@ -24,6 +24,12 @@ class Endpoint:
     worker_set: WorkerSetKey
     #: The pod behind the endpoint (EndpointSlice ``targetRef.name``), for people reading state.
     pod: str | None = None
+    #: The pod's KV-event PUB port (``spec.kvEvents.port``), None when the set publishes none.
+    kv_events_port: int | None = None
+    #: The pod's KV-event replay port (``spec.kvEvents.replayPort``, else the port named ``kv-replay``).
+    kv_replay_port: int | None = None
+    #: The pod's Prometheus port (``spec.metricsPort``, else the port named ``metrics``, else ``port``).
+    metrics_port: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +123,7 @@ class Catalog:
                     "profile": ws.profile,
                     "kvBlockSize": ws.kv_block_size,
                     "models": [{"name": m.name, "aliases": list(m.aliases)} for m in ws.models],
-                    "endpoints": [{"address": e.address, "pod": e.pod} for e in ws.endpoints],
+                    "endpoints": [_endpoint_debug(e) for e in ws.endpoints],
                     "terminating": ws.terminating,
                     "problems": list(ws.problems),
                 }
@@ -141,3 +147,13 @@ class Catalog:
                 for p in self.problems
             ],
         }
+
+
+def _endpoint_debug(endpoint: Endpoint) -> dict[str, Any]:
+    entry: dict[str, Any] = {"address": endpoint.address, "pod": endpoint.pod}
+    if endpoint.kv_events_port is not None:
+        entry["kvEventsPort"] = endpoint.kv_events_port
+        entry["kvReplayPort"] = endpoint.kv_replay_port
+    if endpoint.metrics_port is not None and endpoint.metrics_port != endpoint.port:
+        entry["metricsPort"] = endpoint.metrics_port
+    return entry

@@ -507,3 +507,55 @@ def test_output_is_deterministic_whatever_the_input_order() -> None:
         rng.shuffle(objects)
         assert build(*objects) == expected
     assert len(expected.conflicts) == 1
+
+
+SIDE_SLICE_PORTS = [
+    {"name": "http", "port": 8000},
+    {"name": "kv", "port": 5557},
+    {"name": "kv-replay", "port": 5657},
+    {"name": "metrics", "port": 9100},
+]
+
+
+@pytest.mark.parametrize(
+    ("spec", "slice_ports", "expected"),
+    [
+        ({}, SIDE_SLICE_PORTS, (None, None, 9100)),
+        ({"kvEvents": {"port": 5557}}, [{"name": "http", "port": 8000}], (5557, None, 8000)),
+        ({"kvEvents": {"port": "kv"}}, SIDE_SLICE_PORTS, (5557, 5657, 9100)),
+        (
+            {"kvEvents": {"port": 7000, "replayPort": 7100}, "metricsPort": 9200},
+            SIDE_SLICE_PORTS,
+            (7000, 7100, 9200),
+        ),
+        (
+            {"kvEvents": {"port": "kv", "replayPort": "kv"}, "metricsPort": "http"},
+            SIDE_SLICE_PORTS,
+            (5557, 5557, 8000),
+        ),
+    ],
+    ids=["no-kv-events", "number-no-replay", "name-and-default-replay", "all-numbers", "all-names"],
+)
+def test_side_ports_resolve_per_endpoint(
+    spec: dict[str, Any], slice_ports: list[Any], expected: tuple[int | None, int | None, int]
+) -> None:
+    """KV-event, replay and metrics ports: numbers as given, names through the slice, CRD fallbacks."""
+    ws_doc = iws("llama")
+    ws_doc["spec"].update(spec)
+    catalog = build(ws_doc, svc("llama"), eps("llama-a", "llama", ["127.0.0.1"], ports=slice_ports))
+    (endpoint,) = catalog.worker_sets[LLAMA].endpoints
+    assert (endpoint.kv_events_port, endpoint.kv_replay_port, endpoint.metrics_port) == expected
+    assert catalog.worker_sets[LLAMA].problems == ()
+
+
+def test_unknown_side_port_name_is_reported() -> None:
+    """A kvEvents port name the slice does not have is a problem naming the field and the names."""
+    ws_doc = iws("llama")
+    ws_doc["spec"]["kvEvents"] = {"port": "zmq"}
+    catalog = build(ws_doc, svc("llama"), eps("llama-a", "llama", ["127.0.0.1"], ports=SIDE_SLICE_PORTS))
+    (endpoint,) = catalog.worker_sets[LLAMA].endpoints
+    assert endpoint.kv_events_port is None
+    assert catalog.worker_sets[LLAMA].problems == (
+        'spec.kvEvents.port "zmq" is not a port name of EndpointSlice default/llama-a '
+        "(names: http, kv, kv-replay, metrics)",
+    )
