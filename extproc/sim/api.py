@@ -25,13 +25,13 @@ from extproc.sim.requests import (
     Generation,
     Limits,
     SimRequestError,
-    chat_prompt_ids,
-    completion_prompt_ids,
     parse_chat,
     parse_completion,
+    refusals,
     resolve_model,
 )
 from extproc.sim.responses import ResponseHead, Usage
+from extproc.tokenize.prompts import chat_prompt_ids, completion_prompt_ids, flag
 
 if TYPE_CHECKING:
     from extproc.sim.server import SimServer
@@ -172,23 +172,21 @@ class _Api:
             raise SimRequestError(400, "the request body must be a JSON object")
         if body.get("model") is not None:
             resolve_model(self.server.models, body)
-        if "messages" in body:
-            ids = list(chat_prompt_ids(body, self.server.tokenizer, self.server.chat_template))
-        elif "prompt" in body:
-            add_special = body.get("add_special_tokens", True)
-            if not isinstance(add_special, bool):
-                raise SimRequestError(400, "'add_special_tokens' must be true or false")
-            ids = list(
-                completion_prompt_ids(body["prompt"], self.server.tokenizer, add_special_tokens=add_special)
-            )
-        else:
-            raise SimRequestError(400, "give either 'prompt' or 'messages'")
+        tokenizer = self.server.tokenizer
+        with refusals():
+            if "messages" in body:
+                ids = chat_prompt_ids(body, tokenizer, self.server.chat_template)
+            elif "prompt" in body:
+                add_special = flag(body, "add_special_tokens", True)
+                ids = completion_prompt_ids(body["prompt"], tokenizer, add_special_tokens=add_special)
+            else:
+                raise SimRequestError(400, "give either 'prompt' or 'messages'")
         strs = self.server.tokenizer.token_strs(ids) if body.get("return_token_strs") else None
         return _json(
             {
                 "count": len(ids),
                 "max_model_len": self.server.settings.engine.max_model_len,
-                "tokens": ids,
+                "tokens": list(ids),
                 "token_strs": strs,
             }
         )

@@ -8,12 +8,14 @@ would answer (400 for bad bodies and context overflows, 404 for unknown models).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from extproc.errors import BadRequest
-from extproc.tokenize import ChatTemplate, Tokenizer, tokenize_chat
+from extproc.tokenize import ChatTemplate, Tokenizer
+from extproc.tokenize.prompts import chat_prompt_ids, completion_prompt_ids, flag
 
 
 class SimRequestError(Exception):
@@ -96,9 +98,10 @@ def parse_completion(
     """``POST /v1/completions``: one prompt, as text or token ids."""
     body = _object(body)
     model = resolve_model(models, body)
-    prompt_ids = completion_prompt_ids(body.get("prompt"), tokenizer, add_special_tokens=True)
-    max_tokens = _max_tokens(body, ("max_tokens",), default=COMPLETIONS_DEFAULT_MAX_TOKENS)
-    return _generation(body, model, prompt_ids, max_tokens, limits)
+    with refusals():
+        prompt_ids = completion_prompt_ids(body.get("prompt"), tokenizer)
+        max_tokens = _max_tokens(body, ("max_tokens",), default=COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return _generation(body, model, prompt_ids, max_tokens, limits)
 
 
 def parse_chat(
@@ -112,64 +115,19 @@ def parse_chat(
     """``POST /v1/chat/completions``: messages rendered with the chat template, then tokenized."""
     body = _object(body)
     model = resolve_model(models, body)
-    prompt_ids = chat_prompt_ids(body, tokenizer, template)
-    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), default=None)
-    return _generation(body, model, prompt_ids, max_tokens, limits)
+    with refusals():
+        prompt_ids = chat_prompt_ids(body, tokenizer, template)
+        max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), default=None)
+        return _generation(body, model, prompt_ids, max_tokens, limits)
 
 
-def completion_prompt_ids(prompt: Any, tokenizer: Tokenizer, *, add_special_tokens: bool) -> tuple[int, ...]:
-    """A prompt as vLLM accepts it: a string, a token-id list, or a batch of exactly one of those."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise SimRequestError(400, "'prompt' must not be empty", param="prompt")
-        return tuple(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
-        if bad:
-            raise SimRequestError(
-                400, f"Token id {bad[0]} is out of vocabulary (size {tokenizer.vocab_size})", param="prompt"
-            )
-        return tuple(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise SimRequestError(400, "the simulator serves one prompt per request, got a batch", param="prompt")
-    raise SimRequestError(400, "'prompt' must be a string or a list of token ids", param="prompt")
-
-
-def chat_prompt_ids(body: Mapping[str, Any], tokenizer: Tokenizer, template: ChatTemplate) -> tuple[int, ...]:
-    """The token ids vLLM's chat path produces: template render, then encode without special tokens."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-        raise SimRequestError(400, "'messages' must be a non-empty list of objects", param="messages")
-    tools = body.get("tools")
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise SimRequestError(400, "'tools' must be a list of objects", param="tools")
-    kwargs = body.get("chat_template_kwargs")
-    kwargs = {} if kwargs is None else kwargs
-    if not isinstance(kwargs, dict):
-        raise SimRequestError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    add_generation_prompt = _flag(body, "add_generation_prompt", True)
-    continue_final = _flag(body, "continue_final_message", False)
-    if add_generation_prompt and continue_final:
-        raise SimRequestError(
-            400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
-        )
+@contextlib.contextmanager
+def refusals() -> Iterator[None]:
+    """The shared prompt code's BadRequest (bad field, template error) becomes vLLM's 400."""
     try:
-        ids = tokenize_chat(
-            tokenizer,
-            template,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final,
-            tools=tools,
-            chat_template_kwargs=kwargs,
-            add_special_tokens=_flag(body, "add_special_tokens", False),
-        )
+        yield
     except BadRequest as exc:
-        # Template errors, refused template kwargs, non-text parts: the message says which.
-        raise SimRequestError(400, exc.message, param=exc.param or "messages") from None
-    return tuple(ids)
+        raise SimRequestError(400, exc.message, param=exc.param) from None
 
 
 def _generation(
@@ -202,7 +160,7 @@ def _generation(
         output, reason = min(limits.default_output_tokens, room), "stop"
     else:
         output, reason = max_tokens, "length"
-    stream = _flag(body, "stream", False)
+    stream = flag(body, "stream", False)
     options = body.get("stream_options")
     options = {} if options is None else options
     if not isinstance(options, dict):
@@ -228,12 +186,3 @@ def _max_tokens(body: Mapping[str, Any], keys: Sequence[str], *, default: int | 
             raise SimRequestError(400, f"'{key}' must be a positive integer, got {value!r}", param=key)
         return value
     return default
-
-
-def _flag(body: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise SimRequestError(400, f"'{key}' must be true or false, got {value!r}", param=key)
-    return value
