@@ -1,0 +1,113 @@
+"""Which tokenizer and chat template the router uses for each upstream model.
+
+Configured per model (``--tokenizer MODEL=PATH``, ``--chat-template MODEL=FILE``), loaded once at
+startup so a typo fails fast with the path in the message, then read on the request path without
+I/O. A model with no tokenizer is not an error: routing falls back to approximate prefix affinity
+for it, and the metrics say so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from extproc.errors import ConfigError
+from extproc.tokenize.chat_template import ChatTemplate
+from extproc.tokenize.prompts import chat_prompt_ids, completion_prompt_ids
+from extproc.tokenize.shipped import is_template_name, shipped_template, shipped_tokenizer_dir
+from extproc.tokenize.tokenizer import Tokenizer
+
+#: ``--tokenizer MODEL=extproc:tiny`` names the tokenizer shipped with extproc (the simulator's).
+SHIPPED_TOKENIZER = "extproc:tiny"
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerSpec:
+    """One model's tokenizer source: a folder, a Hugging Face model id, or ``extproc:tiny``."""
+
+    model: str
+    tokenizer: str
+    #: A template file or a shipped name (``chatml``, ``llama3``); None = the tokenizer's own.
+    chat_template: str | None = None
+
+    @staticmethod
+    def parse_pairs(flag: str, values: Iterable[str]) -> dict[str, str]:
+        """``MODEL=VALUE`` flags -> {model: value}; model names may contain ``=``-free slashes."""
+        pairs: dict[str, str] = {}
+        for value in values:
+            model, sep, rest = value.rpartition("=")
+            if not sep or not model or not rest:
+                raise ConfigError(f"{flag}: expected MODEL=VALUE, got {value!r}")
+            if model in pairs:
+                raise ConfigError(f"{flag}: model {model!r} is given twice")
+            pairs[model] = rest
+        return pairs
+
+
+@dataclass(frozen=True, slots=True)
+class ModelTokenizer:
+    """A loaded tokenizer + chat template: turns a request body into the engine's prompt token ids."""
+
+    tokenizer: Tokenizer
+    template: ChatTemplate | None
+
+    def prompt_ids(self, path: str, payload: Mapping[str, Any]) -> list[int] | None:
+        """Token ids for chat and completions bodies; None for other paths (no prompt to match).
+
+        Raises :class:`~extproc.errors.BadRequest` when the body cannot be tokenized the way the engine would
+        (the engine would refuse it too).
+        """
+        if path == CHAT_PATH:
+            if self.template is None:
+                return None
+            return chat_prompt_ids(payload, self.tokenizer, self.template)
+        if path == COMPLETIONS_PATH:
+            return completion_prompt_ids(payload.get("prompt"), self.tokenizer)
+        return None
+
+
+class TokenizerRegistry:
+    """Upstream model name -> :class:`ModelTokenizer`, everything loaded up front."""
+
+    def __init__(self, models: Mapping[str, ModelTokenizer] | None = None) -> None:
+        self._models = dict(models or {})
+
+    @classmethod
+    def load(cls, specs: Iterable[TokenizerSpec], *, hf_cache: Path | None = None) -> TokenizerRegistry:
+        """Load every spec; ConfigError names the model and the path that failed."""
+        loaded: dict[str, ModelTokenizer] = {}
+        for spec in specs:
+            try:
+                tokenizer = _load_tokenizer(spec.tokenizer, hf_cache)
+                template = _load_template(spec.chat_template, tokenizer)
+            except ConfigError as exc:
+                raise ConfigError(f"tokenizer for model {spec.model!r}: {exc}") from None
+            loaded[spec.model] = ModelTokenizer(tokenizer, template)
+        return cls(loaded)
+
+    def get(self, model: str) -> ModelTokenizer | None:
+        return self._models.get(model)
+
+    def models(self) -> list[str]:
+        return sorted(self._models)
+
+
+def _load_tokenizer(source: str, hf_cache: Path | None) -> Tokenizer:
+    if source == SHIPPED_TOKENIZER:
+        return Tokenizer.from_dir(shipped_tokenizer_dir())
+    return Tokenizer.load(source, cache_dir=hf_cache)
+
+
+def _load_template(spec: str | None, tokenizer: Tokenizer) -> ChatTemplate | None:
+    if spec is None:
+        return tokenizer.get_chat_template()
+    if is_template_name(spec):
+        return ChatTemplate.from_file(shipped_template(spec))
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(f"chat template {spec!r} is neither a file nor a shipped template (chatml, llama3)")
+    return ChatTemplate.from_file(path)
