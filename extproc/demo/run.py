@@ -1,10 +1,12 @@
-"""``extproc demo``: real Envoy + fake backends + the ext_proc server, on loopback, with a live view.
+"""``extproc demo``: real Envoy + simulated vLLM engines + the ext_proc server, on loopback, live.
 
 The point is to show a newcomer the router working with one command, using the same pieces a real
 deployment runs: the shipped ``envoy/gateway.yaml`` (only ports, endpoints and body mode rewritten),
 ``serve``'s :class:`~extproc.server.app.Server` reading a file catalog made of the same objects a
-cluster holds, and backends that answer to the upstream model names only (so an alias that was not
-rewritten would get a 404, as from a real engine).
+cluster holds, and :mod:`extproc.sim` engines that behave like vLLM: they answer to the upstream
+model names only (an alias that was not rewritten gets vLLM's 404), tokenize with the model's chat
+template, keep a prefix cache, take model time to answer, and publish KV-cache events over ZMQ.
+The engines run in this process, so the live view reads their state directly (no scrape).
 
 Everything is started under one :class:`contextlib.AsyncExitStack`, so whatever fails or stops the
 demo (an error, Ctrl-C, ``--duration``), everything that was started is stopped, Envoy included.
@@ -27,10 +29,10 @@ from typing import Any, TextIO, cast
 
 import aiohttp
 
-from extproc.demo.backends import Backend
 from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
 from extproc.demo.view import (
     EndpointRow,
+    EngineLine,
     Intro,
     ModelLine,
     Snapshot,
@@ -44,6 +46,10 @@ from extproc.gateway.config import BodyMode, load_config, render_config, shipped
 from extproc.gateway.process import EnvoyError, EnvoyProcess, envoy_binary
 from extproc.server.app import Server
 from extproc.settings import ServeSettings, SourceSettings
+from extproc.sim.engine_core import EngineParams
+from extproc.sim.fleet import SimFleet
+from extproc.sim.server import SimServer
+from extproc.sim.settings import KVEventSettings, SimSettings
 from extproc.telemetry import Metrics
 from extproc.types import EndpointAddress
 
@@ -51,9 +57,12 @@ HOST = "127.0.0.1"
 #: A TTY redraws every second; logs get one line every few seconds so they stay readable.
 TTY_INTERVAL = 1.0
 LOG_INTERVAL = 5.0
-#: Enough to show streams in flight in the live view, short enough that curl feels instant.
-_STREAM_CHUNKS = 12
-_STREAM_CHUNK_DELAY = 0.05
+#: The engines' defaults model an 8B model on one H100 at real speed (time scale 1): ~6 ms per
+#: decode step, so curl's 128 default tokens take ~0.8 s and a stream is visibly a stream. Only the
+#: KV cache is smaller (2048 blocks = 32k tokens, a small GPU's worth) so its usage column moves
+#: with a handful of requests instead of staying at 0.0%.
+_ENGINE = EngineParams(num_gpu_blocks=2048)
+_TIME_SCALE = 1.0
 #: The whole chain must answer within this after Envoy is LIVE, or something is miswired.
 _SELF_CHECK_SECONDS = 10.0
 _TRAFFIC_WORKERS = 3
@@ -67,12 +76,50 @@ class DemoError(ExtprocError):
 
 @dataclass(frozen=True, slots=True)
 class DemoSet:
-    """One worker set the demo runs: its name, the model its backends serve, and one alias."""
+    """One worker set the demo runs: its name, the model its engines serve, and one alias."""
 
     name: str
     upstream: str
     alias: str
-    backends: int
+    #: How many engines serve it (``--backends`` for the llama set).
+    engines: int
+    #: The shipped chat template the model's real tokenizer config would bring.
+    chat_template: str = "llama3"
+
+    def engine_settings(self) -> SimSettings:
+        """One engine of this set: loopback on a free port, serving only the upstream name.
+
+        KV events and replay on free ports make the engines publish as ``vllm serve`` with
+        ``--kv-events-config`` does; prompt-token details put ``cached_tokens`` in curl's ``usage``.
+        """
+        return SimSettings(
+            listen=f"{HOST}:0",
+            model=self.upstream,
+            served_model_names=(self.upstream,),
+            chat_template=self.chat_template,
+            engine=_ENGINE,
+            time_scale=_TIME_SCALE,
+            enable_prompt_tokens_details=True,
+            kv_events=KVEventSettings(port=0, replay_port=0),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    """One running simulated engine and where it publishes KV events.
+
+    The event endpoints are copied at start because a stopped :class:`SimServer` forgets its ranks,
+    and a test wants to check afterwards that those ports were closed too.
+    """
+
+    worker_set: DemoSet
+    server: SimServer
+    kv_events: tuple[str, ...]
+    kv_replay: tuple[str, ...]
+
+    @property
+    def address(self) -> str:
+        return self.server.address
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +136,8 @@ class DemoOptions:
 
     def sets(self) -> tuple[DemoSet, ...]:
         return (
-            DemoSet("llama-3-8b", "meta-llama/Meta-Llama-3-8B-Instruct", "chat", self.backends),
-            DemoSet("qwen-2-7b", "Qwen/Qwen2-7B-Instruct", "qwen", 1),
+            DemoSet("llama-3-8b", "meta-llama/Meta-Llama-3-8B-Instruct", "chat", self.backends, "llama3"),
+            DemoSet("qwen-2-7b", "Qwen/Qwen2-7B-Instruct", "qwen", 1, "chatml"),
         )
 
 
@@ -101,14 +148,15 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     """Add ``extproc demo`` to the CLI; :func:`run_demo` is its handler."""
     p = sub.add_parser(
         "demo",
-        help="run real Envoy + fake model servers + the router on loopback, with a live view",
-        description="Start Envoy, a few fake OpenAI-compatible backends and the ext_proc router on "
-        "127.0.0.1, print curl examples, and show live where requests go. Ctrl-C stops everything.",
+        help="run real Envoy + simulated vLLM engines + the router on loopback, with a live view",
+        description="Start Envoy, a few simulated vLLM engines (extproc sim) and the ext_proc router on "
+        "127.0.0.1, print curl examples, and show live where requests go and how full each engine is. "
+        "Ctrl-C stops everything.",
     )
     p.add_argument("--port", type=int, default=8080, help="gateway listener port (8080)")
     p.add_argument("--admin-port", type=int, default=9901, help="Envoy admin port (9901)")
     p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port (9002)")
-    p.add_argument("--backends", type=int, default=3, help="backends of the llama worker set (3)")
+    p.add_argument("--backends", type=int, default=3, help="engines of the llama worker set (3)")
     p.add_argument(
         "--body-mode",
         choices=["FULL_DUPLEX_STREAMED", "BUFFERED"],
@@ -190,13 +238,13 @@ def _check_setup() -> None:
 
 
 class Demo:
-    """Backends, catalog file, router and Envoy, started in that order and stopped in reverse."""
+    """Engines, catalog file, router and Envoy, started in that order and stopped in reverse."""
 
     def __init__(self, options: DemoOptions) -> None:
         self.options = options
         self.url = f"http://{HOST}:{options.port}"
         self.sets = options.sets()
-        self.backends: list[tuple[DemoSet, Backend]] = []
+        self.engines: list[Engine] = []
         self.server: Server | None = None
         self.envoy: EnvoyProcess | None = None
         self.started = time.monotonic()
@@ -215,17 +263,9 @@ class Demo:
 
     async def _start(self) -> None:
         for demo_set in self.sets:
-            for i in range(1, demo_set.backends + 1):
-                backend = Backend(
-                    f"{demo_set.name}-{i}",
-                    models=(demo_set.upstream,),
-                    strict_models=True,
-                    chunks=_STREAM_CHUNKS,
-                    chunk_delay=_STREAM_CHUNK_DELAY,
-                )
-                await backend.start(HOST, 0)
-                self._stack.push_async_callback(backend.stop)
-                self.backends.append((demo_set, backend))
+            fleet = SimFleet(demo_set.engine_settings(), replicas=demo_set.engines)
+            await self._stack.enter_async_context(fleet)
+            self.engines.extend(_engine(demo_set, server) for server in fleet.servers)
         tmpdir = self._stack.enter_context(tempfile.TemporaryDirectory(prefix="extproc-demo-"))
         catalog = Path(tmpdir) / "catalog.yaml"
         catalog.write_text(catalog_yaml(self._worker_sets()), encoding="utf-8")
@@ -243,7 +283,7 @@ class Demo:
                 name=s.name,
                 model=s.upstream,
                 aliases=(s.alias,),
-                endpoints=[b.address for owner, b in self.backends if owner == s],
+                endpoints=[e.address for e in self.engines if e.worker_set == s],
             )
             for s in self.sets
         ]
@@ -274,7 +314,7 @@ class Demo:
             listen_port=self.options.port,
             admin_port=self.options.admin_port,
             extproc_address=(HOST, self.options.grpc_port),
-            pool_endpoints=[(b.host, b.port) for _, b in self.backends],
+            pool_endpoints=[(HOST, e.server.port) for e in self.engines],
             body_mode=self.options.body_mode,
         )
 
@@ -306,25 +346,47 @@ class Demo:
             envoy_pid=self.envoy.pid,
             metrics_url=f"http://{HOST}:{self.server.admin_port}/metrics",
             body_mode=self.options.body_mode,
-            models=[ModelLine(s.alias, s.upstream, s.backends) for s in self.sets],
+            models=[ModelLine(s.alias, s.upstream, s.engines) for s in self.sets],
             duration=self.options.duration,
+            engines=[
+                EngineLine(e.worker_set.name, e.address, events, replay or None)
+                for e in self.engines
+                for events, replay in zip(e.kv_events, e.kv_replay, strict=True)
+            ],
         )
 
     def snapshot(self, traffic: TrafficStats | None) -> Snapshot:
-        """What the live view shows now: backends' own counts, the router's in-flight and outcomes."""
+        """What the live view shows now: the engines' own state, the router's in-flight and outcomes."""
         inflight = self.server.inflight.snapshot() if self.server is not None else {}
-        rows = [
-            EndpointRow(
-                worker_set=s.name,
-                address=b.address,
-                backend=b.name or "",
-                served=b.counters.served,
-                in_flight=inflight.get(EndpointAddress(b.address), 0),
+        rows = []
+        for e in self.engines:
+            # In-process reads of each rank's scheduler and cache: what /metrics would report.
+            stats = [rank.stats() for rank in e.server.ranks]
+            rows.append(
+                EndpointRow(
+                    worker_set=e.worker_set.name,
+                    address=e.address,
+                    served=e.server.requests_finished,
+                    in_flight=inflight.get(EndpointAddress(e.address), 0),
+                    running=sum(r.num_running for r in stats),
+                    waiting=sum(r.num_waiting for r in stats),
+                    kv_cache_usage=sum(r.kv_cache_usage for r in stats) / len(stats) if stats else 0.0,
+                    prefix_queries=sum(r.prefix_cache_queries for r in stats),
+                    prefix_hits=sum(r.prefix_cache_hits for r in stats),
+                )
             )
-            for s, b in self.backends
-        ]
         outcomes = request_outcomes(self.server.metrics) if self.server is not None else {}
         return Snapshot(self.url, time.monotonic() - self.started, rows, outcomes, traffic)
+
+
+def _engine(demo_set: DemoSet, server: SimServer) -> Engine:
+    publishers = [rank.publisher for rank in server.ranks if rank.publisher is not None]
+    return Engine(
+        worker_set=demo_set,
+        server=server,
+        kv_events=tuple(p.endpoint for p in publishers),
+        kv_replay=tuple(p.replay_endpoint or "" for p in publishers),
+    )
 
 
 def request_outcomes(metrics: Metrics) -> dict[str, int]:
@@ -350,21 +412,58 @@ class _Traffic:
         return TrafficStats(self.sent, self.ok, self.failed)
 
 
-_PROMPTS = ("Hello!", "Summarize the plot of Hamlet.", "Write a haiku about routers.", "What is KV cache?")
+#: Every sample chat starts with this system prompt, as a deployed assistant's requests do: the
+#: engines then find its blocks in their prefix caches, and the live view's "prefix hits" climbs.
+SYSTEM_PROMPT = (
+    "You are the assistant of the extproc demo, a gateway that routes OpenAI-style requests through "
+    "Envoy to a pool of model servers. Answer in a friendly, concise way, in plain text without "
+    "markdown. When a question is about the gateway, explain which part does the work: Envoy accepts "
+    "the HTTP request and streams its body to the external processor over gRPC; the processor reads "
+    "the model name, maps an alias such as chat to the model the servers really load, picks one "
+    "endpoint of the worker set that serves it, rewrites the body when the name changed, and tells "
+    "Envoy where to send the request. The model servers run vLLM, which keeps the attention keys and "
+    "values of every prompt in fixed-size blocks of sixteen tokens; blocks whose tokens match an "
+    "earlier prompt are reused instead of being computed again, which is why requests that share a "
+    "long beginning are cheaper on the server that has already seen it. If you do not know an "
+    "answer, say so rather than guessing, and never invent numbers, names or quotations."
+)
+#: The qwen set gets completions that continue one shared document, for the same reason.
+DOCUMENT = (
+    "Release notes, version 2.4 of the inference gateway. Requests are now routed by the load of "
+    "each endpoint, counted by the router itself from the moment it picks an endpoint until the "
+    "response ends. Aliases are rewritten before the body reaches the model server, so clients can "
+    "keep using short names when the deployed model changes. Catalog files are reloaded on change, "
+    "and an invalid edit keeps the last valid version. Question: "
+)
+_QUESTIONS = (
+    "Hello!",
+    "Summarize the plot of Hamlet.",
+    "Write a haiku about routers.",
+    "What is a KV cache?",
+    "Why do shared prefixes make requests cheaper?",
+    "What does the external processor change in a request?",
+)
 
 
-def _sample_request(rng: random.Random, sets: Sequence[DemoSet]) -> tuple[str, str, dict[str, Any] | None]:
-    """(method, path, JSON body): mostly chats through the first alias, some streams, some others."""
+def sample_request(rng: random.Random, sets: Sequence[DemoSet]) -> tuple[str, str, dict[str, Any] | None]:
+    """(method, path, JSON body): mostly chats through the first alias, some streams, some others.
+
+    ``max_tokens`` stays small (8-96 tokens, 0.05-0.6 s of simulated decoding): three clients keep
+    a request or two running on the engines, never a queue of long answers.
+    """
     first, last = sets[0].alias, sets[-1].alias
-    prompt = rng.choice(_PROMPTS)
-    messages = [{"role": "user", "content": prompt}]
+    question = rng.choice(_QUESTIONS)
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
     roll = rng.random()
     if roll < 0.45:
-        return "POST", "/v1/chat/completions", {"model": first, "messages": messages}
+        body = {"model": first, "messages": messages, "max_tokens": rng.randint(8, 32)}
+        return "POST", "/v1/chat/completions", body
     if roll < 0.75:
-        return "POST", "/v1/chat/completions", {"model": first, "messages": messages, "stream": True}
+        body = {"model": first, "messages": messages, "max_tokens": rng.randint(32, 96), "stream": True}
+        return "POST", "/v1/chat/completions", body
     if roll < 0.95:
-        return "POST", "/v1/completions", {"model": last, "prompt": prompt, "max_tokens": 16}
+        body = {"model": last, "prompt": DOCUMENT + question, "max_tokens": 16}
+        return "POST", "/v1/completions", body
     return "GET", "/v1/models", None
 
 
@@ -380,7 +479,7 @@ async def _client(
 ) -> None:
     rng = random.Random(seed)
     while True:
-        method, path, body = _sample_request(rng, sets)
+        method, path, body = sample_request(rng, sets)
         traffic.sent += 1
         try:
             async with session.request(method, url + path, json=body) as resp:
@@ -426,7 +525,7 @@ async def run_demo(args: argparse.Namespace, stop: asyncio.Event) -> None:
             if tty:
                 _write(out, _SHOW_CURSOR)
         final = demo.snapshot(traffic.stats() if traffic is not None else None)
-    _write(out, f"\nstopped ({reason}); Envoy, router and backends are shut down.\n{render_line(final)}\n")
+    _write(out, f"\nstopped ({reason}); Envoy, router and engines are shut down.\n{render_line(final)}\n")
 
 
 async def _wait_for_end(stop: asyncio.Event, duration: float | None, tasks: list[asyncio.Task[None]]) -> str:

@@ -12,23 +12,41 @@ from dataclasses import dataclass, field
 
 #: Clear the screen and move the cursor home: each frame replaces the last one in place.
 CLEAR = "\x1b[H\x1b[2J"
-#: ASCII only: the view must read the same in any terminal and any locale.
-_BAR_WIDTH = 20
-_HEADERS = ("worker set", "endpoint", "backend", "served", "in flight", "share of set")
+#: ASCII only: the view must read the same in any terminal and any locale. The bar is short so a
+#: row with the engine's columns still fits in 100 columns.
+_BAR_WIDTH = 10
+_HEADERS = (
+    "worker set",
+    "endpoint",
+    "served",
+    "in flight",
+    "run/wait",
+    "kv cache",
+    "prefix hits",
+    "share of set",
+)
+#: Columns holding numbers: right-aligned, so digits line up under their headers.
+_NUMERIC = frozenset(range(2, 7))
 
 
 @dataclass(frozen=True, slots=True)
 class EndpointRow:
-    """One endpoint as the live view shows it."""
+    """One endpoint as the live view shows it: the router's view of it and the engine's own state."""
 
     worker_set: str
     address: str
-    #: The backend's own name (what it reports in ``x_backend``), so curl output can be matched.
-    backend: str
-    #: Completion answers the backend finished (its own count, not the router's).
+    #: Requests the engine generated to the end (its own count, not the router's).
     served: int
     #: Requests the router sent there that have not finished (the router's own accounting).
     in_flight: int
+    #: The engine's scheduler: requests in the running batch, and queued behind it.
+    running: int = 0
+    waiting: int = 0
+    #: Fraction (0-1) of the engine's KV blocks held by requests (``vllm:kv_cache_usage_perc``).
+    kv_cache_usage: float = 0.0
+    #: Prompt tokens looked up in the engine's prefix cache, and how many of them were already there.
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +81,20 @@ class ModelLine:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineLine:
+    """One simulated engine, for the intro: where it serves and where it publishes KV events.
+
+    The event endpoints are what a KV-aware router would subscribe to, so they are worth showing
+    even though this router does not subscribe yet.
+    """
+
+    worker_set: str
+    address: str
+    kv_events: str
+    kv_replay: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Intro:
     """The static part of the screen: where things listen and what to type."""
 
@@ -73,6 +105,7 @@ class Intro:
     body_mode: str
     models: Sequence[ModelLine]
     duration: float | None = None
+    engines: Sequence[EngineLine] = ()
 
 
 def render_intro(intro: Intro) -> str:
@@ -80,7 +113,7 @@ def render_intro(intro: Intro) -> str:
     stop = "Ctrl-C" if intro.duration is None else f"Ctrl-C, or by itself after {intro.duration:g} s"
     pid = f" (pid {intro.envoy_pid})" if intro.envoy_pid is not None else ""
     lines = [
-        "extproc demo: Envoy -> ext_proc router -> fake OpenAI-compatible backends, all on loopback",
+        "extproc demo: Envoy -> ext_proc router -> simulated vLLM engines, all on loopback",
         f"Gateway URL: {intro.url}",
         f"Envoy admin: {intro.envoy_admin_url}{pid}   router metrics: {intro.metrics_url}",
         f"Body mode: {intro.body_mode}   stop: {stop}",
@@ -89,6 +122,12 @@ def render_intro(intro: Intro) -> str:
     for m in intro.models:
         plural = "" if m.endpoints == 1 else "s"
         lines.append(f"  {m.alias} -> {m.upstream} ({m.endpoints} endpoint{plural})")
+    if intro.engines:
+        lines.append("Engines (each publishes KV-cache events over ZMQ, as vLLM does):")
+        width = max(len(e.worker_set) for e in intro.engines)
+        for e in intro.engines:
+            replay = f"  replay {e.kv_replay}" if e.kv_replay else ""
+            lines.append(f"  {e.worker_set.ljust(width)}  {e.address}  events {e.kv_events}{replay}")
     lines.append("Try:")
     lines.extend("  " + command for command in curl_examples(intro.url, intro.models))
     return "\n".join(lines) + "\n"
@@ -122,10 +161,18 @@ def render_frame(snapshot: Snapshot, intro: str = "") -> str:
 
 def render_table(snapshot: Snapshot) -> str:
     """The status line, one row per endpoint, a total row, and the router's outcome totals."""
-    rows = [_row_cells(row, _set_totals(snapshot.endpoints)) for row in snapshot.endpoints]
-    total_served = sum(r.served for r in snapshot.endpoints)
-    total_inflight = sum(r.in_flight for r in snapshot.endpoints)
-    footer = ("total", "", "", str(total_served), str(total_inflight), "")
+    endpoints = snapshot.endpoints
+    rows = [_row_cells(row, _set_totals(endpoints)) for row in endpoints]
+    footer = (
+        "total",
+        "",
+        str(sum(r.served for r in endpoints)),
+        str(sum(r.in_flight for r in endpoints)),
+        f"{sum(r.running for r in endpoints)}/{sum(r.waiting for r in endpoints)}",
+        "",
+        hit_rate(sum(r.prefix_hits for r in endpoints), sum(r.prefix_queries for r in endpoints)),
+        "",
+    )
     widths = [max(len(c[i]) for c in [_HEADERS, *rows, footer]) for i in range(len(_HEADERS))]
     lines = [_status(snapshot), ""]
     lines.append(_join(_HEADERS, widths))
@@ -143,13 +190,14 @@ def render_line(snapshot: Snapshot) -> str:
     for row in snapshot.endpoints:
         groups.setdefault(row.worker_set, []).append(str(row.served))
     spread = " ".join(f"{name}=[{'/'.join(counts)}]" for name, counts in groups.items())
-    served = sum(r.served for r in snapshot.endpoints)
-    inflight = sum(r.in_flight for r in snapshot.endpoints)
+    endpoints = snapshot.endpoints
+    hits = hit_rate(sum(r.prefix_hits for r in endpoints), sum(r.prefix_queries for r in endpoints))
     parts = [
         f"demo t={_duration(snapshot.elapsed)}",
-        f"served={served}",
-        f"in_flight={inflight}",
+        f"served={sum(r.served for r in endpoints)}",
+        f"in_flight={sum(r.in_flight for r in endpoints)}",
         spread,
+        f"prefix_hits={hits}",
         f"outcomes: {_outcomes(snapshot.outcomes, sep='=') or 'none'}",
     ]
     if snapshot.traffic is not None:
@@ -163,8 +211,20 @@ def share_bar(part: int, whole: int, width: int = _BAR_WIDTH) -> str:
     if whole <= 0:
         return "   - " + "." * width
     fraction = min(max(part / whole, 0.0), 1.0)
-    filled = round(fraction * width)
+    filled = int(fraction * width + 0.5)  # half up: 25% of 10 is 3 marks, as 75% is 8
     return f"{round(fraction * 100):3d}% " + "#" * filled + "." * (width - filled)
+
+
+def hit_rate(hits: int, queries: int) -> str:
+    """``'64%'`` of prompt tokens found in the prefix cache; ``'-'`` before any lookup (not 0%)."""
+    if queries <= 0:
+        return "-"
+    return f"{round(100 * min(max(hits / queries, 0.0), 1.0))}%"
+
+
+def kv_usage(fraction: float) -> str:
+    """``'3.1%'``: one decimal, because a few requests hold only a small share of a large cache."""
+    return f"{100 * min(max(fraction, 0.0), 1.0):.1f}%"
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -179,14 +239,23 @@ def _set_totals(rows: Sequence[EndpointRow]) -> dict[str, int]:
 
 def _row_cells(row: EndpointRow, set_totals: Mapping[str, int]) -> tuple[str, ...]:
     share = share_bar(row.served, set_totals.get(row.worker_set, 0))
-    return (row.worker_set, row.address, row.backend, str(row.served), str(row.in_flight), share)
+    return (
+        row.worker_set,
+        row.address,
+        str(row.served),
+        str(row.in_flight),
+        f"{row.running}/{row.waiting}",
+        kv_usage(row.kv_cache_usage),
+        hit_rate(row.prefix_hits, row.prefix_queries),
+        share,
+    )
 
 
 def _join(cells: Sequence[str], widths: Sequence[int]) -> str:
     """Text columns left-aligned, number columns right-aligned; no trailing spaces."""
     out = []
     for i, (cell, width) in enumerate(zip(cells, widths, strict=True)):
-        out.append(cell.rjust(width) if i in (3, 4) else cell.ljust(width))
+        out.append(cell.rjust(width) if i in _NUMERIC else cell.ljust(width))
     return "  ".join(out).rstrip()
 
 

@@ -1,7 +1,8 @@
 """``extproc demo`` as a person runs it: a real process with real Envoy, real requests, real signals.
 
 Every wait is bounded, and the ``demo`` fixture kills the demo's whole process group at teardown
-(it runs in its own session), so a failing test never leaves Envoy or a backend behind.
+(it runs in its own session), so a failing test never leaves Envoy or an engine behind. One test runs
+the demo in-process to read its live view while a request is still running on an engine.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import pytest
 from ports import free_port
 from processes import pid_gone
 
-from extproc.demo.run import Demo, check_ports_free, demo_options
+from extproc.demo.run import DOCUMENT, SYSTEM_PROMPT, Demo, check_ports_free, demo_options, sample_request
+from extproc.demo.view import EndpointRow, Snapshot, render_table
 from extproc.errors import ConfigError
 
 LLAMA = "meta-llama/Meta-Llama-3-8B-Instruct"
@@ -150,8 +152,10 @@ async def demo() -> AsyncIterator[StartDemo]:
 # -- helpers ----------------------------------------------------------------------------------------
 
 
-def _chat(model: str, *, stream: bool = False) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+def _chat(model: str, *, stream: bool = False, max_tokens: int = 4) -> dict[str, Any]:
+    """A chat the engines answer quickly: a few tokens are ~6 ms each at the demo's real speed."""
+    messages = [{"role": "user", "content": "hi"}]
+    return {"model": model, "messages": messages, "stream": stream, "max_tokens": max_tokens}
 
 
 async def _post_json(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -162,19 +166,52 @@ async def _post_json(session: aiohttp.ClientSession, url: str, body: dict[str, A
         return answer
 
 
-async def _first_sse_chunk(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
+async def _sse_chunks(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every JSON chunk of an SSE answer, checked to end with ``[DONE]``."""
     async with session.post(url, json=body) as resp:
         assert resp.status == 200, await resp.text()
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         text = (await resp.read()).decode()
     events = [block[len("data: ") :] for block in text.split("\n\n") if block.startswith("data: ")]
     assert events[-1] == "[DONE]"
-    chunk: dict[str, Any] = json.loads(events[0])
-    return chunk
+    return [json.loads(event) for event in events[:-1]]
+
+
+def _served_per_set(summary: str) -> dict[str, list[int]]:
+    """``llama-3-8b=[3/4/5] qwen-2-7b=[2]`` in a one-line summary -> served counts per engine."""
+    return {
+        name: [int(n) for n in counts.split("/")]
+        for name, counts in re.findall(r"(\S+)=\[([\d/]+)\]", summary)
+    }
+
+
+def _engine_ports(run: DemoRun) -> list[int]:
+    """HTTP and ZMQ ports of every engine, from the intro's ``Engines`` lines."""
+    ports = []
+    for line in run.lines:
+        if match := re.match(
+            r"^  \S+ +127\.0\.0\.1:(\d+)  events tcp://127\.0\.0\.1:(\d+)  replay tcp://127\.0\.0\.1:(\d+)$",
+            line,
+        ):
+            ports += [int(port) for port in match.groups()]
+    return ports
+
+
+async def _assert_nothing_listens(ports: list[int], within: float = 5.0) -> None:
+    """Every port refuses connections, soon: ZMQ releases a closed socket's port in its I/O thread."""
+    deadline = time.monotonic() + within
+    for port in ports:
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                if probe.connect_ex(("127.0.0.1", port)) != 0:
+                    break
+            assert time.monotonic() < deadline, f"port {port} still listening after {within} s"
+            await asyncio.sleep(0.01)
 
 
 async def _assert_all_stopped(run: DemoRun) -> None:
-    """Envoy's pid is gone, its admin API does not answer, and every demo port can be bound again."""
+    """Envoy's pid is gone, its admin API does not answer, every demo port can be bound again, and
+    no engine listens any more (HTTP, KV events, replay)."""
     deadline = time.monotonic() + 5
     while not pid_gone(run.envoy_pid):
         assert time.monotonic() < deadline, f"Envoy pid {run.envoy_pid} still alive after the demo exited"
@@ -184,6 +221,7 @@ async def _assert_all_stopped(run: DemoRun) -> None:
         with pytest.raises(aiohttp.ClientConnectionError):
             await session.get(f"http://127.0.0.1:{admin}/ready")
     check_ports_free(run.ports)
+    await _assert_nothing_listens(_engine_ports(run))
 
 
 # -- the demo, end to end -----------------------------------------------------------------------------
@@ -191,21 +229,20 @@ async def _assert_all_stopped(run: DemoRun) -> None:
 
 async def test_demo_routes_through_real_envoy_and_stops_cleanly_on_sigint(demo: StartDemo) -> None:
     run = await demo("--traffic", "--duration", "120")
+    assert len(_engine_ports(run)) == 4 * 3, run.output()  # 3 llama + 1 qwen engines, 3 ports each
     chat_url = f"{run.url}/v1/chat/completions"
     async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as session:
-        # The alias is rewritten to the upstream name the llama backends serve (they 404 others),
-        # and least-loaded picking with random ties reaches every llama backend.
+        # The alias is rewritten to the upstream name the llama engines serve (they 404 others).
         answers = []
         for _ in range(6):
             answers += await asyncio.gather(*(_post_json(session, chat_url, _chat("chat")) for _ in range(5)))
-        seen = [a["x_backend"] for a in answers]
-        assert {b["model"] for b in seen} == {LLAMA}
-        assert {b["name"] for b in seen} == {"llama-3-8b-1", "llama-3-8b-2", "llama-3-8b-3"}
-        assert all(b["transfer_encoding"] == "chunked" for b in seen)  # FULL_DUPLEX_STREAMED default
+        assert {a["model"] for a in answers} == {LLAMA}
+        assert {a["usage"]["completion_tokens"] for a in answers} == {4}
 
-        first = await _first_sse_chunk(session, chat_url, _chat("qwen", stream=True))
-        assert first["x_backend"]["name"] == "qwen-2-7b-1"
-        assert first["x_backend"]["model"] == QWEN
+        # A stream is a stream: the text arrives over several chunks, from the qwen engine.
+        chunks = await _sse_chunks(session, chat_url, _chat("qwen", stream=True, max_tokens=8))
+        assert {c["model"] for c in chunks} == {QWEN}
+        assert len([c for c in chunks if c["choices"][0]["delta"].get("content")]) > 1
 
         async with session.get(f"{run.url}/v1/models") as resp:
             assert resp.status == 200
@@ -218,8 +255,16 @@ async def test_demo_routes_through_real_envoy_and_stops_cleanly_on_sigint(demo: 
     assert await run.wait_exit() == 0, run.output()
     # The last two lines: why it stopped, then the final summary (the demo's traffic all succeeded).
     assert run.lines[-2].startswith("stopped (signal)"), run.output()
-    final = re.search(r"traffic: sent=(\d+) ok=(\d+) failed=(\d+)$", run.lines[-1])
-    assert final is not None and int(final[2]) > 0 and final[3] == "0", run.output()
+    final = run.lines[-1]
+    traffic = re.search(r"traffic: sent=(\d+) ok=(\d+) failed=(\d+)$", final)
+    assert traffic is not None and int(traffic[2]) > 0 and traffic[3] == "0", run.output()
+    # Every engine served (the engines' own counts), and the sample prompts' shared system prompt
+    # was found in the engines' prefix caches.
+    served = _served_per_set(final)
+    assert len(served["llama-3-8b"]) == 3 and min(served["llama-3-8b"]) > 0, final
+    assert served["qwen-2-7b"][0] > 0, final
+    hits = re.search(r" prefix_hits=(\d+)% ", final)
+    assert hits is not None and int(hits[1]) > 0, final
     assert "Traceback" not in run.output()
     await _assert_all_stopped(run)
 
@@ -228,16 +273,109 @@ async def test_demo_buffered_mode_stops_by_itself_after_duration(demo: StartDemo
     run = await demo("--body-mode", "BUFFERED", "--backends", "2", "--duration", "4")
     await run.wait_for_line(r"^Body mode: BUFFERED", 1)
     await run.wait_for_line(r"^  chat -> .* \(2 endpoints\)$", 1)
+    engine = (await run.wait_for_line(r"^  llama-3-8b +(127\.0\.0\.1:\d+) ", 1))[1]
+    body = _chat("chat")
     async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as session:
-        answer = await _post_json(session, f"{run.url}/v1/chat/completions", _chat("chat"))
-    backend = answer["x_backend"]
-    assert backend["model"] == LLAMA
-    assert backend["name"] in {"llama-3-8b-1", "llama-3-8b-2"}
-    # BUFFERED keeps Content-Length (the rewritten body's); FULL_DUPLEX_STREAMED would chunk it.
-    assert backend["content_length"] == backend["body_bytes"]
+        answer = await _post_json(session, f"{run.url}/v1/chat/completions", body)
+        # The rewritten body reached the engine whole: it counts the same prompt tokens as the
+        # engine's own tokenizer does for the original messages.
+        tokenized = await _post_json(session, f"http://{engine}/tokenize", {"messages": body["messages"]})
+    assert answer["model"] == LLAMA
+    assert answer["usage"]["prompt_tokens"] == tokenized["count"] > 0
     assert await run.wait_exit() == 0, run.output()
     assert any(line.startswith("stopped (duration elapsed)") for line in run.lines), run.output()
     await _assert_all_stopped(run)
+
+
+async def test_live_view_shows_what_the_engines_are_doing() -> None:
+    """In-process, so the test reads the same snapshots the live view draws, while a stream runs."""
+    options = demo_options(_args(port=free_port(), admin_port=free_port(), grpc_port=free_port(), backends=2))
+    body = {
+        "model": "chat",
+        "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Hello!"}],
+        "max_tokens": 300,  # ~2 s of decoding: long enough to be seen running
+        "stream": True,
+    }
+    async with Demo(options) as demo_, aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as session:
+        url = f"{demo_.url}/v1/chat/completions"
+        async with session.post(url, json=body) as resp:
+            assert resp.status == 200
+            await resp.content.readline()  # the first chunk: the request is on an engine now
+            busy = await _wait_for_row(demo_, lambda r: r.running == 1 and r.in_flight == 1)
+            assert busy.kv_cache_usage > 0 and busy.prefix_queries > 0
+            row = next(
+                line for line in render_table(demo_.snapshot(None)).splitlines() if busy.address in line
+            )
+            assert row.split()[2:5] == ["0", "1", "1/0"], row  # served, in flight, run/wait
+            await resp.read()
+        done = await _wait_for_row(demo_, lambda r: r.served == 1 and r.in_flight == 0 and r.running == 0)
+        assert done.address == busy.address and done.kv_cache_usage == 0
+        # Three more with the same system prompt: two engines, so one sees it twice and hits its cache.
+        for _ in range(3):
+            await _post_json(session, url, {**body, "stream": False, "max_tokens": 2})
+        # The router ends its in-flight count when Envoy reports the response's end, just after the
+        # client has it: wait for that rather than for a fixed time.
+        snapshot = await _wait_for_snapshot(demo_, lambda s: not any(r.in_flight for r in s.endpoints))
+        assert sum(r.served for r in snapshot.endpoints) == 4
+        assert sum(r.prefix_hits for r in snapshot.endpoints) > 0
+        total = render_table(snapshot).splitlines()[-3].split()
+        assert total[:4] == ["total", "4", "0", "0/0"] and total[4] not in ("-", "0%"), total
+        engines = demo_.engines
+        assert demo_.envoy is not None and demo_.envoy.pid is not None
+        envoy_pid = demo_.envoy.pid
+    assert pid_gone(envoy_pid)
+    await _assert_nothing_listens(
+        [e.server.port for e in engines] + [int(a.rsplit(":", 1)[1]) for e in engines for a in e.kv_events]
+    )
+
+
+async def _wait_for_snapshot(
+    demo_: Demo, ready: Callable[[Snapshot], bool], within: float = 10.0
+) -> Snapshot:
+    """The first live-view snapshot that satisfies ``ready``, polling until ``within``."""
+    deadline = time.monotonic() + within
+    while True:
+        snapshot = demo_.snapshot(None)
+        if ready(snapshot):
+            return snapshot
+        if time.monotonic() > deadline:
+            pytest.fail(f"no snapshot matched within {within} s; the last: {snapshot}")
+        await asyncio.sleep(0.01)
+
+
+async def _wait_for_row(
+    demo_: Demo, ready: Callable[[EndpointRow], bool], within: float = 10.0
+) -> EndpointRow:
+    """The first endpoint row that satisfies ``ready``, polling until ``within``."""
+    snapshot = await _wait_for_snapshot(demo_, lambda s: any(ready(r) for r in s.endpoints), within)
+    return next(r for r in snapshot.endpoints if ready(r))
+
+
+def test_sample_traffic_is_cheap_and_shares_prefixes() -> None:
+    """--traffic keeps answers short, and its prompts share long beginnings so prefix caches hit."""
+    import random
+
+    sets = demo_options(_args()).sets()
+    kinds = set()
+    rng = random.Random(0)
+    for _ in range(200):
+        method, path, body = sample_request(rng, sets)
+        kinds.add((method, path, None if body is None else body.get("stream", False)))
+        if body is None:
+            continue
+        assert 1 <= body["max_tokens"] <= 96
+        if path == "/v1/chat/completions":
+            assert body["model"] == "chat"
+            assert body["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT}
+        else:
+            assert body["model"] == "qwen" and body["prompt"].startswith(DOCUMENT)
+    assert kinds == {
+        ("POST", "/v1/chat/completions", False),
+        ("POST", "/v1/chat/completions", True),
+        ("POST", "/v1/completions", False),
+        ("GET", "/v1/models", None),
+    }
+    assert len(SYSTEM_PROMPT) > 1000  # hundreds of tokens: dozens of 16-token KV blocks
 
 
 # -- setup errors ---------------------------------------------------------------------------------------
@@ -281,10 +419,11 @@ async def test_grpc_port_taken_after_the_check_still_names_the_demo_flag() -> No
             async with demo_:
                 pytest.fail("the demo started on a taken port")
     assert demo_.envoy is None
-    assert [b.name for _, b in demo_.backends] == ["llama-3-8b-1", "qwen-2-7b-1"]
-    for _, backend in demo_.backends:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            assert probe.connect_ex((backend.host, backend.port)) != 0, f"{backend.name} still listening"
+    assert [e.worker_set.name for e in demo_.engines] == ["llama-3-8b", "qwen-2-7b"]
+    ports = [e.server.port for e in demo_.engines]
+    ports += [int(a.rsplit(":", 1)[1]) for e in demo_.engines for a in (*e.kv_events, *e.kv_replay)]
+    assert len(ports) == 2 * 3
+    await _assert_nothing_listens(ports)
 
 
 def _args(**overrides: Any) -> argparse.Namespace:
@@ -329,7 +468,14 @@ def test_defaults_are_the_documented_ports() -> None:
         None,
         False,
     )
-    assert [(s.alias, s.upstream, s.backends) for s in options.sets()] == [
-        ("chat", LLAMA, 3),
-        ("qwen", QWEN, 1),
+    assert [(s.alias, s.upstream, s.engines, s.chat_template) for s in options.sets()] == [
+        ("chat", LLAMA, 3, "llama3"),
+        ("qwen", QWEN, 1, "chatml"),
     ]
+    # Each engine answers only to its upstream name, with KV events and replay on free ports.
+    settings = options.sets()[1].engine_settings()
+    assert settings.served_model_names == (QWEN,) and settings.listen == "127.0.0.1:0"
+    assert settings.kv_events is not None and (settings.kv_events.port, settings.kv_events.replay_port) == (
+        0,
+        0,
+    )
