@@ -9,24 +9,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any
 
 import uvloop
 
 from extproc import __version__
 from extproc.errors import ConfigError, ExtprocError
-from extproc.settings import ServeSettings, SourceSettings
+from extproc.settings import PrefixSettings, ServeSettings, SourceSettings
 from extproc.telemetry import configure_logging
+from extproc.tokenize.registry import TokenizerSpec
 
 log = logging.getLogger("extproc")
-
-# We spawn Envoy (demo, benchmarks) after gRPC threads are running; gRPC's fork handlers only
-# print a warning then. We never fork a process that uses gRPC, so switch them off before gRPC loads.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -58,6 +55,35 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--drain-seconds", type=float, default=5.0, help="grace for open streams on stop (5)")
     p.add_argument("--seed", type=int, default=None, help="seed tie-breaking randomness (for tests)")
+    g = p.add_argument_group("prefix-cache-aware routing")
+    g.add_argument(
+        "--tokenizer",
+        action="append",
+        default=[],
+        metavar="MODEL=PATH",
+        help="tokenizer of an upstream model: a folder with tokenizer.json, a Hugging Face model id "
+        "found in --hf-cache, or extproc:tiny (the simulator's); repeat per model",
+    )
+    g.add_argument(
+        "--chat-template",
+        action="append",
+        default=[],
+        metavar="MODEL=FILE",
+        help="chat template of a model: a .jinja file, or chatml / llama3 (default: the tokenizer's)",
+    )
+    g.add_argument("--hf-cache", type=Path, default=None, help="Hugging Face hub cache for --tokenizer ids")
+    g.add_argument(
+        "--kv-index-max-blocks", type=int, default=4_000_000, help="KV-event index size, all endpoints (4M)"
+    )
+    g.add_argument(
+        "--kv-index-max-blocks-per-endpoint", type=int, default=262_144, help="... per endpoint (262144)"
+    )
+    g.add_argument(
+        "--approx-prefix-max-blocks",
+        type=int,
+        default=200_000,
+        help="prompt chunks remembered for models routed without tokenizer or KV events (200000)",
+    )
 
 
 def _serve_settings(args: argparse.Namespace) -> ServeSettings:
@@ -70,6 +96,22 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
         max_fallbacks=args.max_fallbacks,
         drain_seconds=args.drain_seconds,
         seed=args.seed,
+        prefix=_prefix_settings(args),
+    )
+
+
+def _prefix_settings(args: argparse.Namespace) -> PrefixSettings:
+    tokenizers = TokenizerSpec.parse_pairs("--tokenizer", args.tokenizer)
+    templates = TokenizerSpec.parse_pairs("--chat-template", args.chat_template)
+    orphans = sorted(set(templates) - set(tokenizers))
+    if orphans:
+        raise ConfigError(f"--chat-template for {orphans} needs a --tokenizer for the same model")
+    return PrefixSettings(
+        tokenizers=tuple(TokenizerSpec(m, path, templates.get(m)) for m, path in sorted(tokenizers.items())),
+        hf_cache=args.hf_cache,
+        index_max_blocks=args.kv_index_max_blocks,
+        index_max_blocks_per_endpoint=args.kv_index_max_blocks_per_endpoint,
+        approx_max_blocks=args.approx_prefix_max_blocks,
     )
 
 

@@ -6,10 +6,11 @@ below the CLI receives a validated :class:`ServeSettings` and never reads flags 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from extproc.errors import ConfigError
+from extproc.tokenize.registry import TokenizerSpec
 
 
 def parse_host_port(value: str, *, what: str) -> tuple[str, int]:
@@ -50,6 +51,34 @@ class SourceSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixSettings:
+    """Prefix-cache-aware routing: tokenizers per model and the bounds of the indexes."""
+
+    #: Tokenizer (+ chat template) per upstream model; models without one route approximately.
+    tokenizers: tuple[TokenizerSpec, ...] = ()
+    #: A Hugging Face hub cache to resolve ``--tokenizer MODEL=org/name`` in (never downloaded).
+    hf_cache: Path | None = None
+    #: Blocks the KV-event index holds in total, and per endpoint (LRU beyond). Defaults: 4M / 256k,
+    #: ~250 MiB worst case at ~64 bytes a block; a Llama-3-8B H100 pod holds ~24k GPU blocks.
+    index_max_blocks: int = 4_000_000
+    index_max_blocks_per_endpoint: int = 262_144
+    #: Prompt chunks remembered for approximate affinity (models without tokenizer or KV events).
+    approx_max_blocks: int = 200_000
+
+    def __post_init__(self) -> None:
+        for flag, value in (
+            ("--kv-index-max-blocks", self.index_max_blocks),
+            ("--kv-index-max-blocks-per-endpoint", self.index_max_blocks_per_endpoint),
+            ("--approx-prefix-max-blocks", self.approx_max_blocks),
+        ):
+            if value < 1:
+                raise ConfigError(f"{flag} must be at least 1, got {value}")
+        models = [spec.model for spec in self.tokenizers]
+        if len(set(models)) != len(models):
+            raise ConfigError(f"--tokenizer: a model is given twice in {models}")
+
+
+@dataclass(frozen=True, slots=True)
 class ServeSettings:
     """Everything ``extproc serve`` needs."""
 
@@ -70,6 +99,7 @@ class ServeSettings:
     seed: int | None = None
     #: Seconds to let in-flight streams finish on shutdown.
     drain_seconds: float = 5.0
+    prefix: PrefixSettings = field(default_factory=PrefixSettings)
 
     def __post_init__(self) -> None:
         parse_host_port(self.listen, what="--listen")

@@ -14,6 +14,7 @@ from extproc.catalog.model import Catalog, Endpoint, Route
 from extproc.errors import ModelNotFound, NoReadyEndpoint
 from extproc.scheduling.inflight import InFlight, Lease
 from extproc.scheduling.picker import filter_subset, pick_endpoints
+from extproc.scheduling.prefix import NO_MATCH, PrefixMatch, PrefixScorer, PromptInput
 from extproc.types import EndpointAddress
 
 
@@ -25,6 +26,8 @@ class Decision:
     route: Route | None
     #: The pick first, then fallbacks; never empty.
     endpoints: tuple[Endpoint, ...]
+    #: How the prompt was matched against caches, and what the pick already holds.
+    prefix: PrefixMatch = NO_MATCH
 
     @property
     def destination(self) -> str:
@@ -42,14 +45,22 @@ class Scheduler:
         *,
         max_fallbacks: int,
         rng: random.Random | None = None,
+        prefix: PrefixScorer | None = None,
     ) -> None:
         self._catalog = catalog
         self._inflight = inflight
         self._count = 1 + max_fallbacks
         self._rng = rng or random.Random()
+        self._prefix = prefix
 
-    def schedule(self, model: str | None, subset: frozenset[str] | None = None) -> Decision:
-        """Decide for a request for ``model`` (None: any endpoint of any worker set)."""
+    def schedule(
+        self, model: str | None, subset: frozenset[str] | None = None, *, prompt: PromptInput | None = None
+    ) -> Decision:
+        """Decide for a request for ``model`` (None: any endpoint of any worker set).
+
+        With ``prompt`` (the request's path and body) and a prefix scorer, endpoints holding more
+        of the prompt in their KV cache come first.
+        """
         catalog = self._catalog()
         route: Route | None = None
         if model is None:
@@ -67,8 +78,15 @@ class Scheduler:
             candidates = filter_subset(candidates, subset)
             if not candidates:
                 raise NoReadyEndpoint(f"no endpoint in the gateway's subset hint serves {wanted}")
-        picked = pick_endpoints(candidates, self._inflight.count, self._rng, count=self._count)
-        return Decision(route=route, endpoints=tuple(picked))
+        match = NO_MATCH
+        if prompt is not None and route is not None and self._prefix is not None:
+            match = self._prefix.match(catalog, route, prompt, candidates)
+        picked = pick_endpoints(
+            candidates, self._inflight.count, self._rng, count=self._count, cached=match.cached_tokens
+        )
+        if self._prefix is not None and match is not NO_MATCH:
+            self._prefix.record(match, picked[0].address)
+        return Decision(route=route, endpoints=tuple(picked), prefix=match)
 
     def acquire(self, address: EndpointAddress) -> Lease:
         """Count a request against the endpoint it was sent to until the lease is released."""

@@ -21,6 +21,7 @@ from extproc import __version__
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
 from extproc.errors import ConfigError
+from extproc.kvindex.service import PrefixRouting
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.scheduler import Scheduler
@@ -49,15 +50,18 @@ class Server:
         self.inflight = InFlight()
         self.metrics = Metrics()
         self.source = FileSource(settings.source, on_reload=self._count_reload)
+        self.prefix = PrefixRouting(settings.prefix, self.store)
         self.scheduler = Scheduler(
             lambda: self.store.current,
             self.inflight,
             max_fallbacks=settings.max_fallbacks,
             rng=random.Random(settings.seed),
+            prefix=self.prefix.scorer,
         )
         self.budget = BodyBudget(settings.max_buffered_bytes)
         self.metrics.watch_state(catalog=lambda: self.store.current, inflight=self.inflight.snapshot)
         self.metrics.buffered_bytes.set_function(lambda: self.budget.held)
+        self.metrics.registry.register(self.prefix.collector())
         self.grpc_port = 0
         self.admin_port = 0
         self._grpc: grpc.aio.Server | None = None
@@ -75,6 +79,7 @@ class Server:
             await self.stop()
             raise
         self._watch = asyncio.create_task(self.source.watch(self._publish), name="catalog-source")
+        self.prefix.start()
         catalog = self.store.current
         log.info(
             "serving grpc=%s:%d admin=%s:%d worker_sets=%d models=%d",
@@ -152,6 +157,7 @@ class Server:
             "catalogGeneration": self.store.generation,
             "catalog": self.store.current.to_debug(),
             "inflight": dict(sorted(self.inflight.snapshot().items())),
+            "prefix": self.prefix.debug_state(),
         }
 
     async def stop(self) -> None:
@@ -164,6 +170,7 @@ class Server:
             await self._grpc.stop(grace=self.settings.drain_seconds)
         if self._admin is not None:
             await self._admin.cleanup()
+        await self.prefix.close()
 
     async def __aenter__(self) -> Server:
         await self.start()

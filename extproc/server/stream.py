@@ -26,6 +26,7 @@ from extproc.openai import INFERENCE_PATHS, model_response, models_list, parse_r
 from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.scheduling.inflight import Lease
+from extproc.scheduling.prefix import PromptInput
 from extproc.scheduling.scheduler import Decision
 from extproc.server import messages
 from extproc.server.budget import BodyBudget
@@ -43,7 +44,9 @@ Responses = list[ep.ProcessingResponse]
 class Router(Protocol):
     """What a stream needs from the routing side (defined here, by its consumer)."""
 
-    def schedule(self, model: str | None, subset: frozenset[str] | None = None) -> Decision: ...
+    def schedule(
+        self, model: str | None, subset: frozenset[str] | None = None, *, prompt: PromptInput | None = None
+    ) -> Decision: ...
 
     def acquire(self, address: EndpointAddress) -> Lease: ...
 
@@ -151,7 +154,8 @@ class RequestStream:
         self._drop_body()
         self._metrics.body_bytes.observe(len(body))
         parsed = parse_request(body)
-        decision = self._router.schedule(parsed.model, self._subset)
+        path = self._headers.get(":path", "").split("?", 1)[0].rstrip("/")
+        decision = self._router.schedule(parsed.model, self._subset, prompt=PromptInput(path, parsed.payload))
         route = decision.route
         rewritten: bytes | None = None
         if route is not None and route.is_alias:

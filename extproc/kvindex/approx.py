@@ -1,0 +1,120 @@
+"""Approximate prefix affinity, learned from our own routing decisions.
+
+For models without a tokenizer, or worker sets without KV events, we cannot know what an engine
+caches; we can remember where we sent which prompt prefixes. Prompts are cut into chunks of
+``chars_per_block`` characters (the GIE's approximate prefix plugin does the same), chained by a
+hash, and each routed request records its chunks against the endpoint it went to. A later request
+sharing a prefix is credited with the recorded chunks of each endpoint, converted to tokens at
+~4 characters per token. It is a guess: an engine may have evicted those blocks long ago, which is
+why the entries are bounded (LRU) and precise mode always wins when available.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from extproc.types import EndpointAddress
+
+#: Characters per approximate block, and the rough characters-per-token ratio of English text.
+CHARS_PER_BLOCK = 64
+CHARS_PER_TOKEN = 4
+_MASK = (1 << 60) - 1
+
+
+def prompt_text(path: str, payload: Mapping[str, Any]) -> str | None:
+    """The text a prefix is made of: the completion prompt, or the chat messages in order."""
+    if path == "/v1/completions":
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list):
+            return " ".join(str(t) for t in prompt)
+        return None
+    messages = payload.get("messages")
+    if not isinstance(messages, list):
+        return None
+    parts: list[str] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            return None
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts.append(f"<{message.get('role')}>{content if isinstance(content, str) else ''}")
+    return "".join(parts)
+
+
+def text_keys(text: str, *, namespace: str, max_blocks: int) -> list[int]:
+    """Chained keys of the full ``CHARS_PER_BLOCK`` chunks of ``text`` (at most ``max_blocks``)."""
+    key = hash(("extproc.kvindex.approx", namespace)) & _MASK
+    keys: list[int] = []
+    stop = min(len(text) // CHARS_PER_BLOCK, max_blocks) * CHARS_PER_BLOCK
+    for start in range(0, stop, CHARS_PER_BLOCK):
+        key = hash((key, text[start : start + CHARS_PER_BLOCK])) & _MASK
+        keys.append(key)
+    return keys
+
+
+class ApproxPrefixIndex:
+    """Chunk key -> endpoints we sent it to, bounded to ``max_entries`` keys (least recent out)."""
+
+    def __init__(self, *, max_entries: int = 200_000, max_blocks_per_request: int = 512) -> None:
+        if max_entries < 1 or max_blocks_per_request < 1:
+            raise ValueError("approximate prefix index bounds must be >= 1")
+        self.max_entries = max_entries
+        self.max_blocks_per_request = max_blocks_per_request
+        self._holders: OrderedDict[int, frozenset[EndpointAddress]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def keys(self, text: str, namespace: str) -> list[int]:
+        return text_keys(text, namespace=namespace, max_blocks=self.max_blocks_per_request)
+
+    def match(self, keys: Sequence[int], endpoints: Iterable[EndpointAddress]) -> dict[EndpointAddress, int]:
+        """Leading blocks each endpoint was sent, in approximate *tokens*."""
+        remaining = set(endpoints)
+        blocks: dict[EndpointAddress, int] = {}
+        depth = 0
+        for key in keys:
+            holders = self._holders.get(key)
+            if not holders:
+                break
+            still = remaining & holders
+            for endpoint in remaining - still:
+                blocks[endpoint] = depth
+            remaining = still
+            depth += 1
+            if not remaining:
+                break
+        for endpoint in remaining:
+            blocks[endpoint] = depth
+        return {e: n * CHARS_PER_BLOCK // CHARS_PER_TOKEN for e, n in blocks.items()}
+
+    def record(self, keys: Sequence[int], endpoint: EndpointAddress) -> None:
+        """Remember that these chunks went to ``endpoint``."""
+        holders = self._holders
+        for key in keys:
+            current = holders.get(key)
+            if current is None:
+                holders[key] = frozenset((endpoint,))
+            else:
+                if endpoint not in current:
+                    holders[key] = current | {endpoint}
+                holders.move_to_end(key)
+        while len(holders) > self.max_entries:
+            holders.popitem(last=False)
+
+    def forget(self, keep: Iterable[EndpointAddress]) -> None:
+        """Drop endpoints not in ``keep`` (they left the catalog)."""
+        alive = frozenset(keep)
+        for key in list(self._holders):
+            holders = self._holders[key] & alive
+            if holders:
+                self._holders[key] = holders
+            else:
+                del self._holders[key]

@@ -1,0 +1,254 @@
+"""Tolerant decoding of one vLLM / SGLang KV-event payload into domain events.
+
+The wire (reference §1.3-§1.5): a batch is a msgpack array ``[ts, events]`` (vLLM 0.9.0) or
+``[ts, events, dp_rank]`` (later; dp_rank may be nil); each event is a tagged array
+``["BlockStored", field, ...]`` in declaration order (vLLM <= 0.23) or a map
+``{"type": "BlockStored", "<field>": ...}`` (vLLM >= 0.24, SGLang). What we accept:
+
+- extra trailing batch elements, extra trailing event elements and unknown map keys are ignored;
+  missing optional fields are None;
+- an event of an unknown type, or one that is malformed (a field of the wrong type, a
+  ``BlockStored`` without ``block_hashes`` / ``token_ids`` / ``block_size >= 1``, or with
+  ``len(token_ids) != len(block_hashes) * block_size`` and non-empty tokens), is left out and
+  counted in :attr:`DecodedBatch.skipped`; the rest of the batch is kept;
+- events of a secondary KV-cache group of a hybrid model (sliding window, mamba, ...: a
+  ``kv_cache_spec_kind`` that is not full/MLA attention, or ``group_idx`` > 0 without a kind) are
+  left out and counted in :attr:`DecodedBatch.ignored`, as Dynamo does;
+- only a batch that is unusable as a whole raises :class:`KVDecodeError`: not msgpack, not an array
+  of at least 2 elements, ``ts`` not a number, or ``events`` not an array.
+
+Speed: one typed ``msgspec`` pass over the whole batch (map form first, then array form) does all
+the validation in C; only when it fails (a bad or unknown event somewhere, or a mixed batch) is the
+batch decoded again event by event to keep the good ones. Tokens are ``tuple[int, ...]`` without
+range checks: the index hashes them, and an out-of-vocabulary id only produces a key no request has.
+
+Memory: a decoded payload costs at most ~14x its size (a tuple slot plus an int object per 3-byte
+token id, the worst case); callers must cap payload size, :data:`MAX_PAYLOAD_BYTES` (16 MiB, ~100x
+the largest real batch: a 128k-token step is ~0.6 MiB) by default. Deep nesting is refused by
+msgspec's recursion limit (a RecursionError, turned into KVDecodeError here).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final
+
+import msgspec
+
+from extproc.kvindex.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodedBatch,
+    KVEvent,
+    normalise_hash,
+)
+
+#: Default cap on a payload handed to :func:`decode_batch`, bytes.
+MAX_PAYLOAD_BYTES: Final = 16 * 1024 * 1024
+
+_NIL: Final = msgspec.Raw(b"\xc0")
+WireHash = int | bytes
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class KVDecodeError(ValueError):
+    """A payload that is not a KV-event batch at all; the message says what is wrong with it."""
+
+
+# --- wire structs: positions are vLLM 0.22's (array form), names are 0.33's (map form) -----------
+# Only the fields the index uses are declared; ``lora_id`` is declared (as Raw, never parsed) only
+# because ``medium`` and ``lora_name`` come after it in the array form.
+
+
+class _ArrayStored(msgspec.Struct, array_like=True, gc=False, tag="BlockStored"):
+    block_hashes: tuple[WireHash, ...]
+    parent_block_hash: WireHash | None
+    token_ids: tuple[int, ...]
+    block_size: PositiveInt
+    lora_id: msgspec.Raw = _NIL
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: msgspec.Raw = _NIL
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+
+
+class _ArrayRemoved(msgspec.Struct, array_like=True, gc=False, tag="BlockRemoved"):
+    block_hashes: tuple[WireHash, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _ArrayCleared(msgspec.Struct, array_like=True, gc=False, tag="AllBlocksCleared"):
+    pass
+
+
+class _MapStored(msgspec.Struct, gc=False, tag_field="type", tag="BlockStored"):
+    block_hashes: tuple[WireHash, ...]
+    token_ids: tuple[int, ...]
+    block_size: PositiveInt
+    parent_block_hash: WireHash | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+
+
+class _MapRemoved(msgspec.Struct, gc=False, tag_field="type", tag="BlockRemoved"):
+    block_hashes: tuple[WireHash, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _MapCleared(msgspec.Struct, gc=False, tag_field="type", tag="AllBlocksCleared"):
+    pass
+
+
+#: KV-cache group kinds whose blocks decide a prefix hit (Dynamo's list); see :func:`_main_group`.
+MAIN_ATTENTION_KINDS: Final = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+
+_ArrayEvent = _ArrayStored | _ArrayRemoved | _ArrayCleared
+_MapEvent = _MapStored | _MapRemoved | _MapCleared
+_WireEvent = _ArrayEvent | _MapEvent
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_ArrayEvent]
+    dp_rank: int | None = None
+
+
+class _MapBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_MapEvent]
+    dp_rank: int | None = None
+
+
+class _LooseBatch(msgspec.Struct, array_like=True, gc=False):
+    """The batch shell only; each event stays raw bytes until decoded on its own."""
+
+    ts: float
+    events: list[msgspec.Raw]
+    dp_rank: msgspec.Raw = _NIL
+
+
+_FAST_DECODERS: Final = (msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Decoder(_ArrayBatch))
+_LOOSE_DECODER: Final = msgspec.msgpack.Decoder(_LooseBatch)
+_ARRAY_EVENT_DECODER: Final = msgspec.msgpack.Decoder(_ArrayEvent)
+_MAP_EVENT_DECODER: Final = msgspec.msgpack.Decoder(_MapEvent)
+_RANK_DECODER: Final = msgspec.msgpack.Decoder(int | None)
+#: First byte of a msgpack map: fixmap 0x80-0x8f, map16 0xde, map32 0xdf.
+_MAP_HEADERS: Final = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
+
+
+def decode_batch(payload: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> DecodedBatch:
+    """Decode one payload; raises :class:`KVDecodeError` (only) when the batch itself is unusable."""
+    if len(payload) > max_bytes:
+        raise KVDecodeError(f"payload is {len(payload)} bytes, over the {max_bytes}-byte cap")
+    for decoder in _FAST_DECODERS:
+        try:
+            fast = decoder.decode(payload)
+        except Exception:  # any failure of the C decoder means "not this shape"
+            continue
+        events, invalid, ignored = _to_domain(fast.events)
+        return DecodedBatch(ts=fast.ts, events=events, dp_rank=fast.dp_rank, skipped=invalid, ignored=ignored)
+    return _decode_loose(payload)
+
+
+def _decode_loose(payload: bytes) -> DecodedBatch:
+    """The slow path: the batch shell, then each event on its own so one bad event costs only itself."""
+    try:
+        loose = _LOOSE_DECODER.decode(payload)
+    except RecursionError:
+        raise KVDecodeError("not a KV event batch: nested too deeply") from None
+    except msgspec.ValidationError as exc:
+        raise KVDecodeError(f"not a KV event batch [ts, events, dp_rank?]: {_describe(exc)}") from None
+    except Exception as exc:  # DecodeError, or e.g. UnicodeDecodeError for a bad str: not msgpack
+        raise KVDecodeError(f"payload is not valid msgpack: {exc}") from None
+    wire: list[_WireEvent] = []
+    skipped = 0
+    for raw in loose.events:
+        decoder = _MAP_EVENT_DECODER if memoryview(raw)[0] in _MAP_HEADERS else _ARRAY_EVENT_DECODER
+        try:
+            wire.append(decoder.decode(raw))
+        except Exception:  # a bad event costs only itself
+            skipped += 1
+    events, invalid, ignored = _to_domain(wire)
+    rank = _rank(loose.dp_rank)
+    return DecodedBatch(ts=loose.ts, events=events, dp_rank=rank, skipped=skipped + invalid, ignored=ignored)
+
+
+def _describe(exc: msgspec.ValidationError) -> str:
+    """msgspec's message in the batch's own terms (``$[1]`` is the events array)."""
+    text = str(exc).replace("`object`", "`map`")
+    if text.startswith("Expected `array`, got") and "- at" not in text:
+        return f"the batch is not an array ({text})"
+    return text.replace("`$[0]`", "`ts` ($[0])").replace("`$[1]`", "`events` ($[1])")
+
+
+def _rank(raw: msgspec.Raw) -> int | None:
+    """The batch's dp_rank when it is an int; anything else (nil, a string, ...) reads as absent."""
+    try:
+        rank: int | None = _RANK_DECODER.decode(raw)
+    except Exception:  # not an int: read as absent
+        return None
+    return rank
+
+
+def _to_domain(wire_events: list[Any]) -> tuple[list[KVEvent], int, int]:
+    """Wire structs as domain events, plus how many were dropped as inconsistent and as secondary."""
+    events: list[KVEvent] = []
+    append = events.append
+    invalid = ignored = 0
+    for wire in wire_events:
+        if type(wire) is _MapStored or type(wire) is _ArrayStored:
+            if not _main_group(wire.group_idx, wire.kv_cache_spec_kind):
+                ignored += 1
+                continue
+            hashes = _hashes(wire.block_hashes)
+            tokens = wire.token_ids
+            if not hashes or (tokens and len(tokens) != len(hashes) * wire.block_size):
+                invalid += 1
+                continue
+            parent = wire.parent_block_hash
+            append(
+                BlockStored(
+                    hashes,
+                    None if parent is None else normalise_hash(parent),
+                    tokens,
+                    wire.block_size,
+                    wire.lora_name,
+                    wire.medium,
+                )
+            )
+        elif type(wire) is _MapRemoved or type(wire) is _ArrayRemoved:
+            if _main_group(wire.group_idx, None):
+                append(BlockRemoved(_hashes(wire.block_hashes), wire.medium))
+            else:
+                ignored += 1
+        else:
+            append(AllBlocksCleared())
+    return events, invalid, ignored
+
+
+def _main_group(group_idx: int | None, kind: str | None) -> bool:
+    """Whether an event describes the KV-cache group that decides prefix hits (Dynamo's rule).
+
+    Hybrid models (vLLM 0.20+ HMA) publish one event per KV-cache group: full attention, sliding
+    window, mamba, ... A sliding-window group drops blocks that fell out of its window, so counting
+    its events would make holes in prefixes that the full-attention group still serves. Offload
+    managers name the kind; the GPU pool does not (0.33), so there group 0 is taken as the main one.
+    """
+    if kind is not None:
+        return kind in MAIN_ATTENTION_KINDS
+    return not group_idx
+
+
+def _hashes(wire: tuple[WireHash, ...]) -> tuple[int, ...]:
+    """Normalised hashes; the common case (all non-negative ints: uint64 already) costs one ``min``."""
+    try:
+        if min(wire) >= 0:  # type: ignore[operator]
+            return wire  # type: ignore[return-value]
+    except (TypeError, ValueError):  # bin among them, or empty
+        pass
+    return tuple(normalise_hash(h) for h in wire)

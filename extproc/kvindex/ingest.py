@@ -1,0 +1,95 @@
+"""Subscriber -> decoder -> index: the sink every KV-event subscription feeds.
+
+Runs on the event loop, called by one subscriber task per source (the single writer of that
+source's state). A payload that does not decode is counted and logged at most once a minute per
+source; it never ends the stream. Batches for sources the index no longer knows (an endpoint left
+while its subscriber was stopping) are counted and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from extproc.kvindex.decode import KVDecodeError, decode_batch
+from extproc.kvindex.events import Source
+from extproc.kvindex.index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two logs of the same problem for one source.
+LOG_INTERVAL = 60.0
+
+
+@dataclass(slots=True)
+class IngestCounters:
+    batches: int = 0
+    decode_errors: int = 0
+    unknown_source: int = 0
+    resets: int = 0
+
+
+@dataclass(slots=True)
+class SourceHealth:
+    """What the subscriber last said about a source's stream (for /debug/state and metrics)."""
+
+    complete: bool | None = None
+    reason: str = ""
+    last_reset: str = ""
+
+
+@dataclass(slots=True)
+class IndexIngest:
+    """The :class:`~extproc.kvindex.subscriber.KVEventSink` that applies batches to a PrefixIndex."""
+
+    index: PrefixIndex
+    clock: Callable[[], float] = time.monotonic
+    counters: IngestCounters = field(default_factory=IngestCounters)
+    health: dict[Source, SourceHealth] = field(default_factory=dict)
+    _last_log: dict[tuple[Source, str], float] = field(default_factory=dict)
+
+    def on_batch(self, source: Source, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except KVDecodeError as exc:
+            self.counters.decode_errors += 1
+            self._log_sometimes(
+                source, "decode", "kv batch not decoded source=%s seq=%d error=%s", source, seq, exc
+            )
+            return
+        try:
+            self.index.apply(source, batch)
+        except KeyError:
+            self.counters.unknown_source += 1
+            return
+        self.counters.batches += 1
+
+    def on_reset(self, source: Source, reason: str) -> None:
+        self.counters.resets += 1
+        self.health.setdefault(source, SourceHealth()).last_reset = reason
+        log.info("kv source reset source=%s reason=%s", source, reason)
+        if source in self.index.sources():
+            self.index.clear_source(source)
+
+    def on_completeness(self, source: Source, complete: bool, reason: str) -> None:
+        health = self.health.setdefault(source, SourceHealth())
+        health.complete, health.reason = complete, reason
+        if source in self.index.sources():
+            self.index.set_complete(source, complete)
+        if not complete:
+            log.warning("kv source incomplete source=%s reason=%s", source, reason)
+
+    def forget(self, source: Source) -> None:
+        """The source left the catalog: drop what we kept about it."""
+        self.health.pop(source, None)
+        for key in [k for k in self._last_log if k[0] == source]:
+            del self._last_log[key]
+
+    def _log_sometimes(self, source: Source, kind: str, message: str, *args: object) -> None:
+        now = self.clock()
+        last = self._last_log.get((source, kind))
+        if last is None or now - last >= LOG_INTERVAL:
+            self._last_log[(source, kind)] = now
+            log.warning(message, *args)

@@ -1,0 +1,176 @@
+"""Everything prefix-aware routing runs in ``serve``: index, ingest, subscriptions, follower, scorer.
+
+Built from :class:`~extproc.settings.PrefixSettings` (tokenizers load here, so a bad path fails
+at startup); :meth:`start` follows the catalog store, :meth:`close` stops every subscription.
+Metrics are computed at scrape time from the live objects (:class:`PrefixCollector`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from extproc.catalog.store import CatalogStore
+from extproc.kvindex.approx import ApproxPrefixIndex
+from extproc.kvindex.follow import KVEventsFollower
+from extproc.kvindex.index import PrefixIndex
+from extproc.kvindex.ingest import IndexIngest
+from extproc.kvindex.subscriptions import KVSubscriptions
+from extproc.scheduling.prefix import PrefixScorer
+from extproc.settings import PrefixSettings
+from extproc.tokenize.registry import TokenizerRegistry
+
+
+class PrefixRouting:
+    """The prefix-cache side of ``serve``."""
+
+    def __init__(self, settings: PrefixSettings, store: CatalogStore) -> None:
+        self.tokenizers = TokenizerRegistry.load(settings.tokenizers, hf_cache=settings.hf_cache)
+        self.index = PrefixIndex(
+            max_entries=settings.index_max_blocks,
+            max_entries_per_source=settings.index_max_blocks_per_endpoint,
+        )
+        self.approx = ApproxPrefixIndex(max_entries=settings.approx_max_blocks)
+        self.ingest = IndexIngest(self.index)
+        self.subscriptions = KVSubscriptions(self.ingest)
+        self.follower = KVEventsFollower(store, self.index, self.ingest, self.subscriptions)
+        self.scorer = PrefixScorer(index=self.index, tokenizers=self.tokenizers, approx=self.approx)
+
+    def start(self) -> None:
+        self.follower.start()
+
+    async def close(self) -> None:
+        await self.follower.close()
+
+    def collector(self) -> Collector:
+        return PrefixCollector(self)
+
+    def debug_state(self) -> dict[str, Any]:
+        """The ``kvEvents`` section of ``/debug/state``: every source's subscription and index state."""
+        index_stats = self.index.stats().sources
+        sources: dict[str, Any] = {}
+        for source, sub in sorted(self.subscriptions.stats().items()):
+            held = index_stats.get(source)
+            plan = self.follower.plans.get(source)
+            sources[str(source)] = {
+                "publisher": plan.target.pub_address if plan else None,
+                "replay": plan.target.replay_address if plan else None,
+                "namespace": plan.namespace if plan else None,
+                "blockSize": plan.block_size if plan else None,
+                "connected": sub.connected,
+                "lastSeq": sub.last_seq,
+                "complete": sub.complete,
+                "reason": sub.reason,
+                "gpuBlocks": held.gpu_blocks if held else 0,
+                "lowerTierBlocks": held.lower_blocks if held else 0,
+            }
+        return {
+            "tokenizers": self.tokenizers.models(),
+            "sources": sources,
+            "approximateBlocks": len(self.approx),
+            "ingest": {
+                "batches": self.ingest.counters.batches,
+                "decodeErrors": self.ingest.counters.decode_errors,
+                "resets": self.ingest.counters.resets,
+            },
+        }
+
+
+class PrefixCollector(Collector):
+    """Prefix-routing metrics, read from the live objects at scrape time."""
+
+    def __init__(self, routing: PrefixRouting) -> None:
+        self._routing = routing
+
+    def collect(self) -> Iterable[Metric]:
+        r = self._routing
+        lookups = CounterMetricFamily(
+            "extproc_prefix_lookups",
+            "Requests by how their prompt was matched against caches: precise (tokenized, KV events), "
+            "approximate (our own routing history), none.",
+            labels=["mode"],
+        )
+        for mode, count in r.scorer.counters.lookups.items():
+            lookups.add_metric([mode], count)
+        yield lookups
+        yield CounterMetricFamily(
+            "extproc_prefix_tokenize_errors",
+            "Prompts the model's tokenizer or chat template could not process (routed approximately).",
+            value=r.scorer.counters.tokenize_errors,
+        )
+        batches = CounterMetricFamily(
+            "extproc_kv_event_batches", "KV-event batches received, by outcome.", labels=["outcome"]
+        )
+        batches.add_metric(["applied"], r.ingest.counters.batches)
+        batches.add_metric(["decode_error"], r.ingest.counters.decode_errors)
+        batches.add_metric(["unknown_source"], r.ingest.counters.unknown_source)
+        yield batches
+        yield from self._index_metrics()
+        yield from self._subscription_metrics()
+
+    def _index_metrics(self) -> Iterable[Metric]:
+        stats = self._routing.index.stats()
+        blocks = GaugeMetricFamily(
+            "extproc_kv_index_blocks",
+            "Blocks the KV-event index holds, per endpoint.",
+            labels=["endpoint", "dp_rank"],
+        )
+        for source, held in stats.sources.items():
+            blocks.add_metric([source.endpoint, str(source.dp_rank)], held.gpu_blocks + held.lower_blocks)
+        yield blocks
+        totals = stats.totals
+        applied = CounterMetricFamily(
+            "extproc_kv_index_events",
+            "Blocks the index applied from KV events, by effect.",
+            labels=["effect"],
+        )
+        for effect in (
+            "stored",
+            "removed",
+            "unknown_removals",
+            "unresolved",
+            "mismatched",
+            "invalid",
+            "evicted",
+        ):
+            applied.add_metric([effect], getattr(totals, effect))
+        yield applied
+
+    def _subscription_metrics(self) -> Iterable[Metric]:
+        stats = self._routing.subscriptions.stats()
+        state = GaugeMetricFamily(
+            "extproc_kv_sources",
+            "KV-event sources by state: complete (in sync), incomplete (history lost), syncing, "
+            "disconnected.",
+            labels=["state"],
+        )
+        counts = {"complete": 0, "incomplete": 0, "syncing": 0, "disconnected": 0}
+        for sub in stats.values():
+            if not sub.connected:
+                counts["disconnected"] += 1
+            elif sub.complete is None:
+                counts["syncing"] += 1
+            else:
+                counts["complete" if sub.complete else "incomplete"] += 1
+        for name, count in counts.items():
+            state.add_metric([name], count)
+        yield state
+        replays = CounterMetricFamily(
+            "extproc_kv_replays", "Replay requests, by outcome.", labels=["outcome"]
+        )
+        for outcome in ("ok", "partial", "failed"):
+            replays.add_metric(
+                [outcome], sum(getattr(s.counters, f"replays_{outcome}") for s in stats.values())
+            )
+        yield replays
+        malformed = CounterMetricFamily(
+            "extproc_kv_messages_rejected",
+            "KV-event messages skipped: malformed frames or oversized.",
+            labels=["reason"],
+        )
+        malformed.add_metric(["malformed"], sum(s.counters.malformed for s in stats.values()))
+        malformed.add_metric(["oversized"], sum(s.counters.oversized for s in stats.values()))
+        yield malformed

@@ -1,0 +1,141 @@
+"""How many prompt tokens each candidate endpoint already holds: the prefix-cache scoring input.
+
+Producer, run once per request before picking (STYLE: producers, then pure scorers):
+
+- **precise**: the model has a tokenizer and the candidate's worker set publishes KV events. The
+  prompt is tokenized exactly as the engine will (:mod:`extproc.tokenize`), cut into the set's
+  ``kvBlockSize`` blocks, keyed like the index keys event tokens (:mod:`extproc.kvindex.keys`),
+  and matched against the index: cached tokens = leading blocks held x block size.
+- **approximate**: otherwise, the prompt text's chunks are matched against where we sent earlier
+  requests (:mod:`extproc.kvindex.approx`), and this request is recorded once routed.
+- **none**: no prompt to match (other paths, unreadable bodies).
+
+A tokenizer that cannot tokenize a body (a template error the engine may not share) is counted
+and the request falls back to approximate: routing never refuses what the engine might accept.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from extproc.catalog.model import Catalog, Endpoint, Route
+from extproc.errors import BadRequest
+from extproc.kvindex.approx import ApproxPrefixIndex, prompt_text
+from extproc.kvindex.events import Source
+from extproc.kvindex.index import PrefixIndex
+from extproc.kvindex.keys import block_keys, namespace_seed
+from extproc.tokenize.registry import TokenizerRegistry
+from extproc.types import EndpointAddress
+
+log = logging.getLogger(__name__)
+
+PrefixMode = Literal["precise", "approximate", "none"]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    """What the prefix lookup needs from a request: its path and decoded body."""
+
+    path: str
+    payload: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Cached prompt tokens per candidate, and how they were found."""
+
+    mode: PrefixMode
+    cached_tokens: dict[EndpointAddress, int] = field(default_factory=dict)
+    #: The prompt's length in tokens when it was tokenized (precise mode).
+    prompt_tokens: int | None = None
+    #: Approximate keys to record against the endpoint picked (empty when nothing to learn).
+    approx_keys: list[int] = field(default_factory=list)
+
+
+NO_MATCH = PrefixMatch("none")
+
+
+@dataclass(slots=True)
+class PrefixCounters:
+    lookups: dict[str, int] = field(default_factory=lambda: {"precise": 0, "approximate": 0, "none": 0})
+    tokenize_errors: int = 0
+
+
+class PrefixScorer:
+    """Matches a request's prompt against the KV-event index, or our own routing history."""
+
+    def __init__(
+        self,
+        *,
+        index: PrefixIndex,
+        tokenizers: TokenizerRegistry,
+        approx: ApproxPrefixIndex,
+    ) -> None:
+        self.index = index
+        self.tokenizers = tokenizers
+        self.approx = approx
+        self.counters = PrefixCounters()
+
+    def match(
+        self, catalog: Catalog, route: Route, prompt: PromptInput, candidates: Sequence[Endpoint]
+    ) -> PrefixMatch:
+        """Cached tokens for every candidate (absent = 0)."""
+        precise = [e for e in candidates if e.kv_events_port is not None]
+        rest = [e for e in candidates if e.kv_events_port is None]
+        mode: PrefixMode = "none"
+        cached: dict[EndpointAddress, int] = {}
+        tokens = self._tokens(route.upstream_model, prompt) if precise else None
+        if tokens is not None:
+            mode = "precise"
+            self._match_precise(catalog, route.upstream_model, tokens, precise, cached)
+        else:
+            rest = list(candidates)
+        keys: list[int] = []
+        if rest:
+            text = prompt_text(prompt.path, prompt.payload)
+            if text is not None:
+                keys = self.approx.keys(text, route.upstream_model)
+                mode = "approximate" if mode == "none" else mode
+                cached.update(self.approx.match(keys, [e.address for e in rest]))
+        self.counters.lookups[mode] += 1
+        return PrefixMatch(mode, cached, None if tokens is None else len(tokens), keys)
+
+    def record(self, match: PrefixMatch, endpoint: EndpointAddress) -> None:
+        """Learn from a decision (approximate mode only: precise mode learns from the engines)."""
+        if match.approx_keys:
+            self.approx.record(match.approx_keys, endpoint)
+
+    def _tokens(self, model: str, prompt: PromptInput) -> list[int] | None:
+        tokenizer = self.tokenizers.get(model)
+        if tokenizer is None:
+            return None
+        try:
+            return tokenizer.prompt_ids(prompt.path, prompt.payload)
+        except BadRequest as exc:
+            self.counters.tokenize_errors += 1
+            log.debug("prompt not tokenized model=%s error=%s", model, exc.message)
+            return None
+
+    def _match_precise(
+        self,
+        catalog: Catalog,
+        model: str,
+        tokens: list[int],
+        endpoints: list[Endpoint],
+        cached: dict[EndpointAddress, int],
+    ) -> None:
+        seed = namespace_seed(model)
+        by_block_size: dict[int, list[Endpoint]] = {}
+        for endpoint in endpoints:
+            ws = catalog.worker_sets.get(endpoint.worker_set)
+            if ws is not None:
+                by_block_size.setdefault(ws.kv_block_size, []).append(endpoint)
+        token_tuple = tuple(tokens)
+        for block_size, group in by_block_size.items():
+            keys = block_keys(token_tuple, block_size, seed)
+            held = self.index.match(keys, [Source(e.address, 0) for e in group])
+            for source, blocks in held.items():
+                cached[source.endpoint] = blocks * block_size
