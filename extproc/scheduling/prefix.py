@@ -17,7 +17,7 @@ and the request falls back to approximate: routing never refuses what the engine
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -73,10 +73,13 @@ class PrefixScorer:
         index: PrefixIndex,
         tokenizers: TokenizerRegistry,
         approx: ApproxPrefixIndex,
+        blocked: Callable[[], frozenset[str]] = frozenset,
     ) -> None:
         self.index = index
         self.tokenizers = tokenizers
         self.approx = approx
+        #: Models whose tokenizer disagrees with their engines (tokenizer parity): routed approximately.
+        self.blocked = blocked
         self.counters = PrefixCounters()
 
     def match(
@@ -110,7 +113,7 @@ class PrefixScorer:
 
     def _tokens(self, model: str, prompt: PromptInput) -> list[int] | None:
         tokenizer = self.tokenizers.get(model)
-        if tokenizer is None:
+        if tokenizer is None or model in self.blocked():
             return None
         try:
             return tokenizer.prompt_ids(prompt.path, prompt.payload)

@@ -21,13 +21,13 @@ from extproc import __version__
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
 from extproc.errors import ConfigError
-from extproc.kvindex.service import PrefixRouting
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.scheduler import Scheduler
 from extproc.server.admin import admin_app
 from extproc.server.budget import BodyBudget
 from extproc.server.health import HealthService
+from extproc.server.prefix_routing import PrefixRouting
 from extproc.server.service import ExternalProcessorService
 from extproc.settings import ServeSettings, parse_host_port
 from extproc.sources.file import FileSource, ReloadOutcome

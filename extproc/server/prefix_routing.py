@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from extproc.catalog.store import CatalogStore
+from extproc.engines.parity import ParityChecker
 from extproc.kvindex.approx import ApproxPrefixIndex
 from extproc.kvindex.follow import KVEventsFollower
 from extproc.kvindex.index import PrefixIndex
@@ -37,12 +38,20 @@ class PrefixRouting:
         self.ingest = IndexIngest(self.index)
         self.subscriptions = KVSubscriptions(self.ingest)
         self.follower = KVEventsFollower(store, self.index, self.ingest, self.subscriptions)
-        self.scorer = PrefixScorer(index=self.index, tokenizers=self.tokenizers, approx=self.approx)
+        self.parity = ParityChecker(store, self.tokenizers)
+        self.scorer = PrefixScorer(
+            index=self.index,
+            tokenizers=self.tokenizers,
+            approx=self.approx,
+            blocked=self.parity.blocked_models,
+        )
 
     def start(self) -> None:
         self.follower.start()
+        self.parity.start()
 
     async def close(self) -> None:
+        await self.parity.close()
         await self.follower.close()
 
     def collector(self) -> Collector:
@@ -69,6 +78,7 @@ class PrefixRouting:
             }
         return {
             "tokenizers": self.tokenizers.models(),
+            "tokenizerParity": self.parity.debug_state(),
             "sources": sources,
             "approximateBlocks": len(self.approx),
             "ingest": {
@@ -108,6 +118,15 @@ class PrefixCollector(Collector):
         batches.add_metric(["decode_error"], r.ingest.counters.decode_errors)
         batches.add_metric(["unknown_source"], r.ingest.counters.unknown_source)
         yield batches
+        parity = GaugeMetricFamily(
+            "extproc_tokenizer_parity",
+            "1 per (model, worker set) under its latest tokenizer-parity verdict: match, mismatch (routed "
+            "approximately) or unknown (the engine could not be asked).",
+            labels=["model", "worker_set", "verdict"],
+        )
+        for (model, ws), result in sorted(r.parity.results.items()):
+            parity.add_metric([model, ws, result.verdict], 1)
+        yield parity
         yield from self._index_metrics()
         yield from self._subscription_metrics()
 
