@@ -24,10 +24,14 @@ _MASK = (1 << 60) - 1
 
 
 def prompt_text(path: str, payload: Mapping[str, Any]) -> str | None:
-    """The text a prefix is made of: the completion prompt, or the chat messages in order."""
+    """The text a prefix is made of: the completion prompt, or the chat messages in order.
+
+    Tolerant: whatever the client sent, this returns text or None and never raises; judging the
+    body is the engine's job.
+    """
     if path == "/v1/completions":
         prompt = payload.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str):
             return prompt
@@ -43,7 +47,8 @@ def prompt_text(path: str, payload: Mapping[str, Any]) -> str | None:
             return None
         content = message.get("content")
         if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            texts = (p.get("text") for p in content if isinstance(p, dict))
+            content = "".join(t for t in texts if isinstance(t, str))
         parts.append(f"<{message.get('role')}>{content if isinstance(content, str) else ''}")
     return "".join(parts)
 

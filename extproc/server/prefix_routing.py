@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
 from extproc.engines.parity import ParityChecker
 from extproc.kvindex.approx import ApproxPrefixIndex
@@ -23,6 +24,7 @@ from extproc.kvindex.subscriptions import KVSubscriptions
 from extproc.scheduling.prefix import PrefixScorer
 from extproc.settings import PrefixSettings
 from extproc.tokenize.registry import TokenizerRegistry
+from extproc.types import EndpointAddress
 
 
 class PrefixRouting:
@@ -46,11 +48,22 @@ class PrefixRouting:
             blocked=self.parity.blocked_models,
         )
 
+        self._endpoints: frozenset[EndpointAddress] = frozenset()
+        self._unsubscribe = store.subscribe(self._forget_departed)
+
+    def _forget_departed(self, catalog: Catalog) -> None:
+        """Approximate affinity must not credit a pod that left (or a new pod reusing its address)."""
+        endpoints = frozenset(e.address for ws in catalog.worker_sets.values() for e in ws.endpoints)
+        if self._endpoints - endpoints:
+            self.approx.forget(endpoints)
+        self._endpoints = endpoints
+
     def start(self) -> None:
         self.follower.start()
         self.parity.start()
 
     async def close(self) -> None:
+        self._unsubscribe()
         await self.parity.close()
         await self.follower.close()
 

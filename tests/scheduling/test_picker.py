@@ -65,3 +65,54 @@ def test_leases_release_once() -> None:
     assert inflight.count(a) == 1
     second.release()
     assert inflight.snapshot() == {}
+
+
+# --- with cached prompt tokens (the prefix-cache scoring input) ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cached", "load", "expected"),
+    [
+        ({2: 64}, {1: 0, 2: 9, 3: 1, 4: 2}, [2, 1, 3, 4]),
+        ({1: 16, 2: 64, 3: 32}, {1: 0, 2: 9, 3: 5, 4: 0}, [2, 3, 1, 4]),
+        ({1: 32, 2: 32}, {1: 3, 2: 1, 3: 0, 4: 2}, [2, 1, 3, 4]),
+        ({1: 0, 2: 0}, {1: 3, 2: 1, 3: 2, 4: 4}, [2, 3, 1, 4]),
+        ({}, {1: 3, 2: 1, 3: 2, 4: 4}, [2, 3, 1, 4]),
+        ({3: 16, 4: 48}, {1: 1, 2: 0, 3: 0, 4: 7}, [4, 3, 2, 1]),
+    ],
+    ids=[
+        "cached-beats-load",
+        "by-cached-tokens",
+        "equal-cached-least-loaded",
+        "all-zero-is-by-load",
+        "empty-is-by-load",
+        "absent-counts-as-zero",
+    ],
+)
+@pytest.mark.parametrize("count", [1, 4], ids=["single", "with-fallbacks"])
+def test_most_cached_tokens_first_then_least_load(
+    cached: dict[int, int], load: dict[int, int], expected: list[int], count: int
+) -> None:
+    """Endpoints holding more of the prompt come first; load orders equal holders; absent holds 0."""
+    eps = _eps(4)
+    address = {i: eps[i - 1].address for i in range(1, 5)}
+    loads = {address[i]: n for i, n in load.items()}
+    held = {address[i]: n for i, n in cached.items()}
+    picked = pick_endpoints(eps, lambda a: loads[a], random.Random(1), count=count, cached=held)
+    assert [eps.index(e) + 1 for e in picked] == expected[:count]
+
+
+@pytest.mark.parametrize("count", [1, 3], ids=["single", "with-fallbacks"])
+def test_cached_ties_are_broken_at_random(count: int) -> None:
+    """Equal cached tokens and equal load: every tied endpoint is picked first sometimes, others never."""
+    eps = _eps(4)
+    held = {eps[0].address: 32, eps[2].address: 32, eps[3].address: 16}
+    rng = random.Random(9)
+    firsts: Counter[str] = Counter()
+    for _ in range(2000):
+        picked = pick_endpoints(eps, lambda a: 0, rng, count=count, cached=held)
+        firsts[picked[0].address] += 1
+        if count == 3:
+            assert {picked[0], picked[1]} == {eps[0], eps[2]} and picked[2] == eps[3]
+    assert set(firsts) == {eps[0].address, eps[2].address}
+    assert min(firsts.values()) > 800, firsts

@@ -1,0 +1,203 @@
+"""Approximate prefix affinity: prompt text, chunk keys, matching leading chunks, LRU bound, forgetting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from extproc.kvindex.approx import (
+    CHARS_PER_BLOCK,
+    CHARS_PER_TOKEN,
+    ApproxPrefixIndex,
+    prompt_text,
+    text_keys,
+)
+from extproc.types import EndpointAddress
+
+A = EndpointAddress("10.0.0.1:8000")
+B = EndpointAddress("10.0.0.2:8000")
+C = EndpointAddress("10.0.0.3:8000")
+MODEL = "llama"
+TOKENS_PER_BLOCK = CHARS_PER_BLOCK // CHARS_PER_TOKEN
+PARTS = [{"type": "text", "text": "Look "}, {"type": "image_url"}, {"text": "here"}]
+#: Eight distinct full chunks.
+TEXT = "".join(f"chunk {i} ".ljust(CHARS_PER_BLOCK, chr(ord("a") + i)) for i in range(8))
+
+
+@pytest.mark.parametrize(
+    ("path", "payload", "expected"),
+    [
+        ("/v1/completions", {"prompt": "Once upon a time"}, "Once upon a time"),
+        ("/v1/completions", {"prompt": [101, 7, 42]}, "101 7 42"),
+        ("/v1/completions", {"prompt": ["Once upon a time"]}, "Once upon a time"),
+        ("/v1/completions", {"prompt": [[101, 7, 42]]}, "101 7 42"),
+        ("/v1/completions", {"prompt": None}, None),
+        ("/v1/completions", {"messages": [{"role": "user", "content": "hi"}]}, None),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]},
+            "<system>Be brief.<user>Hi",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": PARTS}]},
+            "<user>Look here",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]},
+            "<user>Hi<assistant>",
+        ),
+        ("/v1/chat/completions", {"messages": "Hi"}, None),
+        ("/v1/chat/completions", {"messages": ["Hi"]}, None),
+        ("/v1/embeddings", {"input": "Hi"}, None),
+    ],
+    ids=[
+        "completion-string",
+        "completion-token-ids",
+        "completion-batch-of-one-string",
+        "completion-batch-of-one-token-list",
+        "completion-no-prompt",
+        "completion-path-ignores-messages",
+        "chat-string-content",
+        "chat-content-parts",
+        "chat-null-content",
+        "chat-messages-not-a-list",
+        "chat-message-not-an-object",
+        "embeddings",
+    ],
+)
+def test_prompt_text(path: str, payload: dict[str, Any], expected: str | None) -> None:
+    """The completion prompt or the chat messages in order (role-tagged); None when there is no prompt."""
+    assert prompt_text(path, payload) == expected
+
+
+def test_prompt_text_single_token_prompt() -> None:
+    """A one-token id prompt is a prompt (as ``[[5]]`` is), not "no prompt"."""
+    assert prompt_text("/v1/completions", {"prompt": [[5]]}) == "5"
+    assert prompt_text("/v1/completions", {"prompt": [5]}) == "5"
+
+
+@pytest.mark.parametrize("text", [None, 5, ["a"]], ids=["null", "number", "list"])
+def test_prompt_text_tolerates_non_string_text_parts(text: Any) -> None:
+    """A malformed text part (the engine's 400 to give) does not crash prompt extraction."""
+    parts = [{"type": "text", "text": text}, {"type": "text", "text": "ok"}]
+    result = prompt_text("/v1/chat/completions", {"messages": [{"role": "user", "content": parts}]})
+    assert result is None or isinstance(result, str)
+
+
+@pytest.mark.parametrize(
+    ("length", "max_blocks", "expected"),
+    [
+        (0, 10, 0),
+        (CHARS_PER_BLOCK - 1, 10, 0),
+        (CHARS_PER_BLOCK, 10, 1),
+        (3 * CHARS_PER_BLOCK + 10, 10, 3),
+        (8 * CHARS_PER_BLOCK, 5, 5),
+        (8 * CHARS_PER_BLOCK, 1, 1),
+    ],
+    ids=["empty", "under-one-chunk", "one-chunk", "partial-tail-ignored", "capped", "capped-to-one"],
+)
+def test_text_keys_cover_full_chunks_only(length: int, max_blocks: int, expected: int) -> None:
+    """One key per full chunk up to ``max_blocks``; a prefix of the text has a prefix of the keys."""
+    keys = text_keys(TEXT[:length], namespace=MODEL, max_blocks=max_blocks)
+    assert len(keys) == expected
+    assert keys == text_keys(TEXT, namespace=MODEL, max_blocks=100)[:expected]
+
+
+def test_text_keys_are_chained_and_namespaced() -> None:
+    """A changed chunk changes its key and every later one; another namespace shares no key."""
+    keys = text_keys(TEXT, namespace=MODEL, max_blocks=100)
+    edited = TEXT[: 2 * CHARS_PER_BLOCK] + "X" + TEXT[2 * CHARS_PER_BLOCK + 1 :]
+    edited_keys = text_keys(edited, namespace=MODEL, max_blocks=100)
+    assert edited_keys[:2] == keys[:2]
+    assert not set(edited_keys[2:]) & set(keys)
+    assert not set(text_keys(TEXT, namespace="qwen", max_blocks=100)) & set(keys)
+    assert len(set(keys)) == len(keys) == 8
+
+
+def test_match_counts_leading_chunks_in_approximate_tokens() -> None:
+    """Each endpoint is credited with the leading chunks it was sent, in tokens; others get 0."""
+    index = ApproxPrefixIndex()
+    keys = index.keys(TEXT, MODEL)
+    index.record(keys[:6], A)
+    index.record(keys[:2], B)
+    assert index.match(keys, [A, B, C]) == {
+        A: 6 * TOKENS_PER_BLOCK,
+        B: 2 * TOKENS_PER_BLOCK,
+        C: 0,
+    }
+    assert index.match(keys[:4], [A, B]) == {A: 4 * TOKENS_PER_BLOCK, B: 2 * TOKENS_PER_BLOCK}
+    assert index.match(keys, [B]) == {B: 2 * TOKENS_PER_BLOCK}
+    assert index.match([], [A, B]) == {A: 0, B: 0}
+    assert index.match(keys, []) == {}
+
+
+def test_match_stops_at_the_first_missing_chunk() -> None:
+    """Chunks after a chunk the endpoint was never sent do not count."""
+    index = ApproxPrefixIndex()
+    keys = index.keys(TEXT, MODEL)
+    index.record([keys[0], keys[1], keys[3], keys[4]], A)
+    index.record(keys[1:5], B)
+    assert index.match(keys, [A, B]) == {A: 2 * TOKENS_PER_BLOCK, B: 0}
+
+
+def test_another_namespace_matches_nothing() -> None:
+    """What was learned for one model is not credited to a request for another."""
+    index = ApproxPrefixIndex()
+    index.record(index.keys(TEXT, MODEL), A)
+    assert index.match(index.keys(TEXT, "qwen"), [A]) == {A: 0}
+
+
+def test_keys_are_capped_per_request() -> None:
+    """``max_blocks_per_request`` bounds the keys a request makes (and so what one request records)."""
+    index = ApproxPrefixIndex(max_blocks_per_request=3)
+    keys = index.keys(TEXT, MODEL)
+    assert keys == text_keys(TEXT, namespace=MODEL, max_blocks=3)
+    index.record(keys, A)
+    assert len(index) == 3
+    assert index.match(index.keys(TEXT, MODEL), [A]) == {A: 3 * TOKENS_PER_BLOCK}
+
+
+def test_record_is_bounded_least_recently_recorded_first() -> None:
+    """Past ``max_entries`` the chunks recorded least recently go; recording again refreshes a chunk."""
+    index = ApproxPrefixIndex(max_entries=3)
+    keys = index.keys(TEXT, MODEL)
+    index.record(keys[0:1], A)
+    index.record(keys[1:2], A)
+    index.record(keys[2:3], A)
+    index.record(keys[0:1], B)  # refreshes keys[0] (and adds B to it)
+    index.record(keys[3:4], A)  # evicts keys[1], the least recently recorded
+    assert len(index) == 3
+    assert index.match(keys[0:1], [A, B]) == {A: TOKENS_PER_BLOCK, B: TOKENS_PER_BLOCK}
+    assert index.match(keys[1:2], [A]) == {A: 0}
+    assert index.match(keys[2:3], [A]) == {A: TOKENS_PER_BLOCK}
+    assert index.match(keys[3:4], [A]) == {A: TOKENS_PER_BLOCK}
+    for i in range(50):
+        index.record(index.keys(f"{i:04d}".ljust(4 * CHARS_PER_BLOCK, "."), MODEL), C)
+    assert len(index) == 3
+
+
+def test_forget_drops_departed_endpoints() -> None:
+    """Endpoints not kept lose their credit; chunks only they held are freed."""
+    index = ApproxPrefixIndex()
+    keys = index.keys(TEXT, MODEL)
+    index.record(keys[:4], A)
+    index.record(keys, B)
+    index.forget([A, C])
+    assert index.match(keys, [A, B]) == {A: 4 * TOKENS_PER_BLOCK, B: 0}
+    assert len(index) == 4
+    index.forget([])
+    assert len(index) == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"max_entries": 0}, {"max_blocks_per_request": 0}],
+    ids=["no-entries", "no-blocks"],
+)
+def test_bounds_must_be_positive(kwargs: dict[str, int]) -> None:
+    """An index that could hold nothing is a configuration error."""
+    with pytest.raises(ValueError, match="must be >= 1"):
+        ApproxPrefixIndex(**kwargs)

@@ -1,0 +1,312 @@
+"""Cached prompt tokens per candidate: precise (tokenizer + KV events), approximate (our history), none.
+
+The catalog comes from the real builder; the index is fed real vLLM payloads (the simulator's
+encoder) for the prompt's token ids as the shipped tokenizer and llama3 template produce them,
+computed here independently of the scorer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from catalog.test_build import build, eps, iws, svc
+
+from extproc.catalog.model import Catalog, Route
+from extproc.kvindex.approx import CHARS_PER_BLOCK, CHARS_PER_TOKEN, ApproxPrefixIndex
+from extproc.kvindex.events import Source
+from extproc.kvindex.follow import plan_sources
+from extproc.kvindex.index import PrefixIndex
+from extproc.kvindex.ingest import IndexIngest
+from extproc.scheduling.prefix import PrefixMatch, PrefixScorer, PromptInput
+from extproc.sim.kv_events import BlockStored
+from extproc.sim.kv_wire import encode_batch
+from extproc.tokenize import shipped_chat_template, shipped_tokenizer
+from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerRegistry, TokenizerSpec
+from extproc.types import EndpointAddress
+
+#: A model with a tokenizer, and one without.
+LLAMA = "meta-llama/Meta-Llama-3-8B-Instruct"
+QWEN = "Qwen/Qwen2-7B-Instruct"
+REGISTRY = TokenizerRegistry.load([TokenizerSpec(LLAMA, SHIPPED_TOKENIZER, "llama3")])
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+APPROX_TOKENS_PER_BLOCK = CHARS_PER_BLOCK // CHARS_PER_TOKEN
+
+# LLAMA is served by "kv" (KV events, kvBlockSize 16), "big" (KV events, kvBlockSize 32) and
+# "plain" (no KV events); QWEN by "qwen" (KV events, but no tokenizer).
+KV1 = EndpointAddress("10.0.0.1:8000")
+KV2 = EndpointAddress("10.0.0.2:8000")
+BIG = EndpointAddress("10.0.3.1:8000")
+PLAIN = EndpointAddress("10.0.1.1:8000")
+Q1 = EndpointAddress("10.0.2.1:8000")
+Q2 = EndpointAddress("10.0.2.2:8000")
+
+LONG = (
+    "You are a careful assistant. Answer questions about the quarterly report below, citing the "
+    "section you used. The report covers revenue, costs, hiring, and the outlook for next year. "
+) * 4
+PROMPTS: list[tuple[str, dict[str, Any]]] = [
+    (COMPLETIONS, {"prompt": LONG}),
+    (CHAT, {"messages": [{"role": "system", "content": LONG}, {"role": "user", "content": "Revenue?"}]}),
+]
+PROMPT_IDS = ["completions", "chat"]
+
+
+def worker_set(
+    name: str, ips: list[str], model: str, *, kv: bool, block_size: int = 16
+) -> list[dict[str, Any]]:
+    ws = iws(name, models=[{"name": model}])
+    ws["spec"]["kvBlockSize"] = block_size
+    if kv:
+        ws["spec"]["kvEvents"] = {"port": 5557, "replayPort": 5558}
+    return [ws, svc(name), eps(f"{name}-1", name, ips)]
+
+
+def make_catalog() -> Catalog:
+    return build(
+        *worker_set("kv", ["10.0.0.1", "10.0.0.2"], LLAMA, kv=True),
+        *worker_set("big", ["10.0.3.1"], LLAMA, kv=True, block_size=32),
+        *worker_set("plain", ["10.0.1.1"], LLAMA, kv=False),
+        *worker_set("qwen", ["10.0.2.1", "10.0.2.2"], QWEN, kv=True),
+    )
+
+
+def engine_tokens(path: str, payload: dict[str, Any]) -> list[int]:
+    """The prompt token ids vLLM computes with the shipped tokenizer and llama3 template."""
+    tokenizer = shipped_tokenizer()
+    if path == COMPLETIONS:
+        return tokenizer.encode(payload["prompt"], add_special_tokens=True)
+    text = shipped_chat_template("llama3").render(
+        payload["messages"], bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class Router:
+    """A catalog, an index registered from it (as the follower does) and a scorer over both."""
+
+    def __init__(self, *, blocked: frozenset[str] = frozenset()) -> None:
+        self.catalog = make_catalog()
+        self.index = PrefixIndex(max_entries=100_000, max_entries_per_source=100_000)
+        for source, plan in plan_sources(self.catalog).items():
+            self.index.add_source(source, namespace=plan.namespace, block_size=plan.block_size)
+        self.ingest = IndexIngest(self.index)
+        self.scorer = PrefixScorer(
+            index=self.index, tokenizers=REGISTRY, approx=ApproxPrefixIndex(), blocked=lambda: blocked
+        )
+        self._seq = 0
+
+    def route(self, model: str) -> Route:
+        route = self.catalog.resolve(model)
+        assert route is not None
+        return route
+
+    def match(
+        self, model: str, path: str, payload: dict[str, Any], only: Sequence[str] | None = None
+    ) -> PrefixMatch:
+        route = self.route(model)
+        candidates = [e for e in route.endpoints if only is None or e.address in only]
+        return self.scorer.match(self.catalog, route, PromptInput(path, payload), candidates)
+
+    def feed(self, address: str, tokens: Sequence[int], blocks: int, *, engine_block: int = 16) -> None:
+        """The engine at ``address`` cached ``blocks`` engine blocks of ``tokens`` (vLLM's bytes)."""
+        digests = [hashlib.sha256(f"{address}/{i}".encode()).digest() for i in range(blocks)]
+        events = [
+            BlockStored(
+                (digests[i],),
+                digests[i - 1] if i else None,
+                tuple(tokens[i * engine_block : (i + 1) * engine_block]),
+                engine_block,
+                None,
+                None,
+            )
+            for i in range(blocks)
+        ]
+        payload = encode_batch(events, ts=1.0, dp_rank=0, encoding="maps", hash_format="int")
+        self.ingest.on_batch(Source(EndpointAddress(address), 0), self._seq, payload)
+        self._seq += 1
+        assert self.ingest.counters.decode_errors == 0
+
+
+def test_catalog_is_what_the_tests_assume() -> None:
+    """LLAMA's route spans the kv, big and plain sets; only KV-event sets are index sources."""
+    router = Router()
+    assert [e.address for e in router.route(LLAMA).endpoints] == [KV1, KV2, PLAIN, BIG]
+    assert {s.endpoint for s in router.index.sources()} == {KV1, KV2, BIG, Q1, Q2}
+
+
+@pytest.mark.parametrize(("path", "payload"), PROMPTS, ids=PROMPT_IDS)
+def test_precise_credits_each_endpoint_with_the_blocks_it_holds(path: str, payload: dict[str, Any]) -> None:
+    """Cached tokens = leading blocks held x the set's block size; holders of nothing get 0."""
+    router = Router()
+    tokens = engine_tokens(path, payload)
+    assert len(tokens) >= 8 * 16
+    router.feed(KV1, tokens, 5)
+    router.feed(BIG, tokens, 2, engine_block=32)
+    router.feed(Q1, tokens, 8)  # another model's pod: not a candidate
+    match = router.match(LLAMA, path, payload)
+    assert match.mode == "precise"
+    assert match.cached_tokens == {KV1: 5 * 16, KV2: 0, BIG: 2 * 32, PLAIN: 0}
+    assert match.prompt_tokens == len(tokens)
+    assert router.scorer.counters.lookups == {"precise": 1, "approximate": 0, "none": 0}
+    assert router.scorer.counters.tokenize_errors == 0
+
+
+@pytest.mark.parametrize(("path", "payload"), PROMPTS, ids=PROMPT_IDS)
+def test_precise_counts_only_the_leading_blocks_the_prompt_shares(path: str, payload: dict[str, Any]) -> None:
+    """A pod that cached another prompt sharing the first blocks is credited with those blocks only."""
+    router = Router()
+    tokens = engine_tokens(path, payload)
+    other = [*tokens[: 3 * 16], *(t + 1 for t in tokens[3 * 16 :])]
+    router.feed(KV2, other, 8)
+    assert router.match(LLAMA, path, payload).cached_tokens[KV2] == 3 * 16
+    assert router.match(LLAMA, COMPLETIONS, {"prompt": "Something else entirely."}).cached_tokens == {
+        KV1: 0,
+        KV2: 0,
+        BIG: 0,
+        PLAIN: 0,
+    }
+
+
+def test_untokenizable_request_falls_back_to_approximate() -> None:
+    """A body the template refuses (unknown role) is counted and matched approximately, and learns."""
+    router = Router()
+    payload = {"messages": [{"role": "wizard", "content": LONG}]}
+    router.feed(KV1, engine_tokens(COMPLETIONS, {"prompt": LONG}), 5)
+    first = router.match(LLAMA, CHAT, payload)
+    assert first.mode == "approximate" and first.prompt_tokens is None
+    assert first.cached_tokens == {KV1: 0, KV2: 0, BIG: 0, PLAIN: 0}
+    assert first.approx_keys
+    router.scorer.record(first, KV2)
+    second = router.match(LLAMA, CHAT, payload)
+    assert second.mode == "approximate"
+    assert second.cached_tokens[KV2] == len(first.approx_keys) * APPROX_TOKENS_PER_BLOCK > 0
+    assert {a: n for a, n in second.cached_tokens.items() if a != KV2} == {KV1: 0, BIG: 0, PLAIN: 0}
+    assert router.scorer.counters.tokenize_errors == 2
+    assert router.scorer.counters.lookups == {"precise": 0, "approximate": 2, "none": 0}
+
+
+@pytest.mark.parametrize(
+    ("path", "first", "second", "shared_chunks"),
+    [
+        (COMPLETIONS, {"prompt": "p" * 200 + "first question"}, {"prompt": "p" * 200 + "second"}, 3),
+        (
+            CHAT,
+            {"messages": [{"role": "system", "content": "s" * 300}, {"role": "user", "content": "A?"}]},
+            {"messages": [{"role": "system", "content": "s" * 300}, {"role": "user", "content": "B?"}]},
+            (len("<system>") + 300 + len("<user>")) // CHARS_PER_BLOCK,
+        ),
+    ],
+    ids=PROMPT_IDS,
+)
+def test_model_without_tokenizer_learns_from_recorded_decisions(
+    path: str, first: dict[str, Any], second: dict[str, Any], shared_chunks: int
+) -> None:
+    """With no tokenizer, a request sharing an earlier one's prefix credits the pod that one went to."""
+    router = Router()
+    router.feed(Q2, engine_tokens(path, first), 4)  # without the model's tokens its KV events cannot count
+    before = router.match(QWEN, path, first)
+    assert before.mode == "approximate"
+    assert before.cached_tokens == {Q1: 0, Q2: 0}
+    router.scorer.record(before, Q1)
+    after = router.match(QWEN, path, second)
+    assert after.mode == "approximate"
+    assert after.cached_tokens == {Q1: shared_chunks * APPROX_TOKENS_PER_BLOCK, Q2: 0}
+    assert router.scorer.counters.tokenize_errors == 0
+
+
+def test_endpoints_without_kv_events_are_matched_approximately() -> None:
+    """With a tokenizer, pods without KV events are credited from history, alongside precise pods."""
+    router = Router()
+    path, payload = PROMPTS[0]
+    router.feed(KV1, engine_tokens(path, payload), 3)
+    only_plain = router.match(LLAMA, path, payload, only=[PLAIN])
+    assert only_plain.mode == "approximate" and only_plain.prompt_tokens is None
+    assert only_plain.cached_tokens == {PLAIN: 0}
+    router.scorer.record(only_plain, PLAIN)
+    mixed = router.match(LLAMA, path, payload)
+    assert mixed.mode == "precise"
+    learned = len(only_plain.approx_keys) * APPROX_TOKENS_PER_BLOCK
+    assert learned > 0
+    assert mixed.cached_tokens == {KV1: 3 * 16, KV2: 0, BIG: 0, PLAIN: learned}
+    assert router.scorer.counters.lookups == {"precise": 1, "approximate": 1, "none": 0}
+
+
+@pytest.mark.parametrize(("path", "payload"), PROMPTS, ids=PROMPT_IDS)
+def test_model_blocked_by_tokenizer_parity_is_matched_approximately(
+    path: str, payload: dict[str, Any]
+) -> None:
+    """A model whose tokenizer disagrees with its engines ignores the KV-event index."""
+    router = Router(blocked=frozenset({LLAMA}))
+    router.feed(KV1, engine_tokens(path, payload), 5)
+    match = router.match(LLAMA, path, payload)
+    assert match.mode == "approximate" and match.prompt_tokens is None
+    assert match.cached_tokens == {KV1: 0, KV2: 0, BIG: 0, PLAIN: 0}
+    assert router.scorer.counters.tokenize_errors == 0
+
+
+@pytest.mark.parametrize(
+    ("model", "text"),
+    [(QWEN, None), (QWEN, 5), (LLAMA, None), (LLAMA, 5)],
+    ids=["no-tokenizer-null", "no-tokenizer-number", "tokenizer-null", "tokenizer-number"],
+)
+def test_malformed_text_parts_do_not_break_matching(model: str, text: Any) -> None:
+    """A body the engine will refuse is still matched (approximately or not at all), never an exception."""
+    router = Router()
+    payload = {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}
+    match = router.match(model, CHAT, payload)
+    assert match.mode in ("precise", "approximate", "none")
+
+
+def test_tokenizer_is_not_consulted_without_kv_event_candidates() -> None:
+    """A body the template would refuse is no tokenize error when no candidate publishes KV events."""
+    router = Router()
+    match = router.match(LLAMA, CHAT, {"messages": [{"role": "wizard", "content": LONG}]}, only=[PLAIN])
+    assert match.mode == "approximate"
+    assert router.scorer.counters.tokenize_errors == 0
+
+
+@pytest.mark.parametrize(
+    ("model", "path", "payload", "tokenize_errors"),
+    [
+        (LLAMA, "/v1/embeddings", {"input": LONG}, 0),
+        (QWEN, "/v1/embeddings", {"input": LONG}, 0),
+        (LLAMA, COMPLETIONS, {"max_tokens": 5}, 1),
+        (QWEN, COMPLETIONS, {"max_tokens": 5}, 0),
+        (QWEN, CHAT, {"messages": "not a list"}, 0),
+    ],
+    ids=[
+        "embeddings-with-tokenizer",
+        "embeddings-without-tokenizer",
+        "no-prompt-with-tokenizer",
+        "no-prompt-without-tokenizer",
+        "unreadable-messages",
+    ],
+)
+def test_requests_without_a_prompt_match_nothing(
+    model: str, path: str, payload: dict[str, Any], tokenize_errors: int
+) -> None:
+    """Other paths and bodies without a prompt give mode none and nothing to record."""
+    router = Router()
+    match = router.match(model, path, payload)
+    assert match == PrefixMatch("none")
+    router.scorer.record(match, Q1)
+    assert len(router.scorer.approx) == 0
+    assert router.scorer.counters.lookups == {"precise": 0, "approximate": 0, "none": 1}
+    assert router.scorer.counters.tokenize_errors == tokenize_errors
+
+
+def test_lookups_are_counted_per_mode() -> None:
+    """Each lookup counts once, under the mode it was answered in."""
+    router = Router()
+    path, payload = PROMPTS[1]
+    for _ in range(3):
+        router.match(LLAMA, path, payload)
+    for _ in range(2):
+        router.match(QWEN, path, payload)
+    router.match(LLAMA, path, payload, only=[PLAIN])
+    router.match(LLAMA, "/v1/embeddings", {"input": "x"})
+    assert router.scorer.counters.lookups == {"precise": 3, "approximate": 3, "none": 1}

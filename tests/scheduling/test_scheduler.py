@@ -1,0 +1,177 @@
+"""The scheduler with a prefix scorer: cached prompt tokens decide, load breaks ties, decisions learn."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from extproc.errors import ModelNotFound, NoReadyEndpoint
+from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.prefix import NO_MATCH, PromptInput
+from extproc.scheduling.scheduler import Scheduler
+from scheduling.test_prefix import (
+    BIG,
+    CHAT,
+    COMPLETIONS,
+    KV1,
+    KV2,
+    LLAMA,
+    PLAIN,
+    PROMPT_IDS,
+    PROMPTS,
+    Q1,
+    Q2,
+    QWEN,
+    Router,
+    engine_tokens,
+)
+
+
+def make_scheduler(
+    router: Router | None, inflight: InFlight, *, seed: int = 1, max_fallbacks: int = 3
+) -> Scheduler:
+    catalog = (router or Router()).catalog
+    return Scheduler(
+        lambda: catalog,
+        inflight,
+        max_fallbacks=max_fallbacks,
+        rng=random.Random(seed),
+        prefix=None if router is None else router.scorer,
+    )
+
+
+def busy(inflight: InFlight, **counts: int) -> None:
+    """Take ``counts[name]`` leases on the endpoint of that name (KV1, KV2, ...)."""
+    named = {"KV1": KV1, "KV2": KV2, "BIG": BIG, "PLAIN": PLAIN, "Q1": Q1, "Q2": Q2}
+    for name, count in counts.items():
+        for _ in range(count):
+            inflight.acquire(named[name])
+
+
+@pytest.mark.parametrize(("path", "payload"), PROMPTS, ids=PROMPT_IDS)
+def test_precise_holder_wins_over_less_loaded_pods(path: str, payload: dict[str, Any]) -> None:
+    """The pod holding the most of the prompt goes first even when busier; fallbacks follow the same order."""
+    router, inflight = Router(), InFlight()
+    tokens = engine_tokens(path, payload)
+    router.feed(KV2, tokens, 6)
+    router.feed(BIG, tokens, 2, engine_block=32)
+    busy(inflight, KV2=5, BIG=1, KV1=2)
+    decision = make_scheduler(router, inflight).schedule(LLAMA, prompt=PromptInput(path, payload))
+    assert [e.address for e in decision.endpoints] == [KV2, BIG, PLAIN, KV1]
+    assert decision.prefix.mode == "precise"
+    assert decision.prefix.cached_tokens[KV2] == 6 * 16
+    assert decision.prefix.prompt_tokens == len(tokens)
+
+
+def test_precise_decision_records_nothing() -> None:
+    """When every candidate publishes KV events, the engines' events are the only memory."""
+    router, inflight = Router(), InFlight()
+    path, payload = PROMPTS[0]
+    decision = make_scheduler(router, inflight).schedule(
+        LLAMA, frozenset({KV1, KV2}), prompt=PromptInput(path, payload)
+    )
+    assert decision.prefix.mode == "precise" and decision.prefix.approx_keys == []
+    assert len(router.scorer.approx) == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "first", "second"),
+    [
+        (COMPLETIONS, {"prompt": "p" * 300 + "one"}, {"prompt": "p" * 300 + "two"}),
+        (
+            CHAT,
+            {"messages": [{"role": "system", "content": "s" * 300}, {"role": "user", "content": "A?"}]},
+            {"messages": [{"role": "system", "content": "s" * 300}, {"role": "user", "content": "B?"}]},
+        ),
+    ],
+    ids=PROMPT_IDS,
+)
+def test_approximate_decisions_are_recorded_and_followed(
+    path: str, first: dict[str, Any], second: dict[str, Any]
+) -> None:
+    """Without a tokenizer, a request sharing an earlier prefix follows it to its pod, even when busier."""
+    router, inflight = Router(), InFlight()
+    scheduler = make_scheduler(router, inflight)
+    one = scheduler.schedule(QWEN, prompt=PromptInput(path, first))
+    assert one.prefix.mode == "approximate" and one.prefix.cached_tokens == {Q1: 0, Q2: 0}
+    assert len(router.scorer.approx) == len(one.prefix.approx_keys) > 0
+    went = one.endpoints[0].address
+    inflight.acquire(went)
+    two = scheduler.schedule(QWEN, prompt=PromptInput(path, second))
+    assert two.endpoints[0].address == went
+    assert two.prefix.mode == "approximate" and two.prefix.cached_tokens[went] > 0
+
+
+def test_without_prefix_scorer_or_prompt_the_least_loaded_wins() -> None:
+    """No scorer, no prompt, or no model: load alone decides and the decision carries no match."""
+    router, inflight = Router(), InFlight()
+    path, payload = PROMPTS[0]
+    router.feed(KV2, engine_tokens(path, payload), 6)
+    busy(inflight, KV2=1, KV1=1, BIG=1)
+    prompt = PromptInput(path, payload)
+    for decision in (
+        make_scheduler(None, inflight).schedule(LLAMA, prompt=prompt),
+        make_scheduler(router, inflight).schedule(LLAMA),
+    ):
+        assert decision.endpoints[0].address == PLAIN
+        assert decision.prefix is NO_MATCH
+    bodiless = make_scheduler(router, inflight).schedule(None, prompt=prompt)
+    assert bodiless.route is None and bodiless.prefix is NO_MATCH
+    assert router.scorer.counters.lookups == {"precise": 0, "approximate": 0, "none": 0}
+
+
+def test_requests_without_a_prompt_are_scheduled_by_load_and_not_recorded() -> None:
+    """An embeddings request is matched in mode none: least loaded wins, nothing is learned."""
+    router, inflight = Router(), InFlight()
+    busy(inflight, Q1=2)
+    decision = make_scheduler(router, inflight).schedule(
+        QWEN, prompt=PromptInput("/v1/embeddings", {"input": "x" * 500})
+    )
+    assert decision.endpoints[0].address == Q2
+    assert decision.prefix.mode == "none"
+    assert len(router.scorer.approx) == 0
+
+
+def test_subset_is_applied_before_scoring() -> None:
+    """A holder outside the gateway's subset hint is neither scored nor picked."""
+    router, inflight = Router(), InFlight()
+    path, payload = PROMPTS[0]
+    router.feed(KV2, engine_tokens(path, payload), 6)
+    decision = make_scheduler(router, inflight).schedule(
+        LLAMA, frozenset({KV1, "10.0.3.1"}), prompt=PromptInput(path, payload)
+    )
+    assert {e.address for e in decision.endpoints} == {KV1, BIG}
+    assert set(decision.prefix.cached_tokens) == {KV1, BIG}
+
+
+def test_equal_cache_ties_are_spread() -> None:
+    """Two pods holding the same prefix with equal load share the requests."""
+    router, inflight = Router(), InFlight()
+    path, payload = PROMPTS[1]
+    tokens = engine_tokens(path, payload)
+    router.feed(KV1, tokens, 4)
+    router.feed(KV2, tokens, 4)
+    scheduler = make_scheduler(router, inflight, seed=5)
+    picks = Counter(
+        scheduler.schedule(LLAMA, prompt=PromptInput(path, payload)).endpoints[0].address for _ in range(400)
+    )
+    assert set(picks) == {KV1, KV2}
+    assert min(picks.values()) > 120, picks
+
+
+@pytest.mark.parametrize(
+    ("model", "subset", "error"),
+    [("nope", None, ModelNotFound), (LLAMA, frozenset({"10.9.9.9"}), NoReadyEndpoint)],
+    ids=["unknown-model", "subset-excludes-all"],
+)
+def test_errors_come_before_any_lookup(
+    model: str, subset: frozenset[str] | None, error: type[Exception]
+) -> None:
+    """Unknown models and empty subsets fail without a prefix lookup."""
+    router = Router()
+    with pytest.raises(error):
+        make_scheduler(router, InFlight()).schedule(model, subset, prompt=PromptInput(*PROMPTS[0]))
+    assert router.scorer.counters.lookups == {"precise": 0, "approximate": 0, "none": 0}
