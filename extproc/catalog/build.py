@@ -85,6 +85,7 @@ def _join(spec: InferenceWorkerSet, service: Service | None, slices: list[Endpoi
         terminating=len(terminating - ready.keys()),
         problems=tuple(problems),
         created=spec.created,
+        data_parallel_size=spec.data_parallel_size,
     )
 
 

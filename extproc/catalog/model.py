@@ -55,6 +55,8 @@ class WorkerSet:
     problems: tuple[str, ...] = ()
     #: ``metadata.creationTimestamp`` (RFC 3339) if known; older sets win name conflicts.
     created: str | None = None
+    #: Data-parallel ranks per pod, each with its own KV cache and event ports (+ rank).
+    data_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,7 @@ class Catalog:
                     "endpoints": [_endpoint_debug(e) for e in ws.endpoints],
                     "terminating": ws.terminating,
                     "problems": list(ws.problems),
+                    "dataParallelSize": ws.data_parallel_size,
                 }
                 for key, ws in sorted(self.worker_sets.items())
             },

@@ -58,6 +58,9 @@ class InferenceWorkerSet:
     kv_events: KvEvents | None = None
     #: ``metadata.creationTimestamp`` normalised to RFC 3339 UTC; older sets win name conflicts.
     created: str | None = None
+    #: Data-parallel ranks per pod (annotation :data:`DATA_PARALLEL_ANNOTATION`); rank r publishes
+    #: KV events on the KV ports + r, as vLLM offsets them.
+    data_parallel_size: int = 1
 
     @property
     def key(self) -> WorkerSetKey:
@@ -239,7 +242,25 @@ def parse_worker_set(obj: Mapping[str, Any]) -> InferenceWorkerSet:
         metrics_port=fields.int_or_string(spec.get("metricsPort"), "spec.metricsPort"),
         kv_events=kv_events,
         created=created,
+        data_parallel_size=_data_parallel_size(obj),
     )
+
+
+#: Not in the CRD's spec (kept compatible): engines started with ``--data-parallel-size N``.
+DATA_PARALLEL_ANNOTATION = "kinference.buoyant.io/data-parallel-size"
+
+
+def _data_parallel_size(obj: Mapping[str, Any]) -> int:
+    meta = fields.mapping(obj.get("metadata"), "metadata")
+    annotations = fields.mapping(meta.get("annotations"), "metadata.annotations")
+    value = annotations.get(DATA_PARALLEL_ANNOTATION)
+    if value is None:
+        return 1
+    where = f"metadata.annotations[{DATA_PARALLEL_ANNOTATION}]"
+    if not isinstance(value, str) or not value.isdigit() or not 1 <= int(value) <= 64:
+        detail = f"must be a number of ranks from 1 to 64 (a string), got {fields.show(value)}"
+        raise FieldError(where, detail)
+    return int(value)
 
 
 def _parse_models(value: Any) -> tuple[ServedModel, ...]:

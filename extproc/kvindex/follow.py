@@ -37,24 +37,27 @@ class SourcePlan:
 
 
 def plan_sources(catalog: Catalog) -> dict[Source, SourcePlan]:
-    """Every source the catalog asks for (pure). DP rank 0 only: see the package README."""
+    """Every source the catalog asks for (pure): one per endpoint and data-parallel rank.
+
+    Rank r of a pod publishes on the KV ports + r, as vLLM offsets them.
+    """
     plans: dict[Source, SourcePlan] = {}
     for key in sorted(catalog.worker_sets):
         ws = catalog.worker_sets[key]
         if not ws.models:
             continue
         for endpoint in ws.endpoints:
-            if endpoint.kv_events_port is None:
-                continue
-            source = Source(endpoint.address, 0)
-            if source in plans:
-                continue  # the same pod listed by two sets: the older set (sorted first) keeps it
+            pub, replay = endpoint.kv_events_port, endpoint.kv_replay_port
+            if pub is None or Source(endpoint.address, 0) in plans:
+                continue  # the same pod listed by two sets: the set sorted first keeps it
             host = f"[{endpoint.ip}]" if ":" in endpoint.ip else endpoint.ip
-            replay = None if endpoint.kv_replay_port is None else f"tcp://{host}:{endpoint.kv_replay_port}"
-            target = SubscriptionTarget(
-                pub_address=f"tcp://{host}:{endpoint.kv_events_port}", replay_address=replay
-            )
-            plans[source] = SourcePlan(target, ws.models[0].name, ws.kv_block_size)
+            namespace = ws.models[0].name
+            for rank in range(ws.data_parallel_size):
+                target = SubscriptionTarget(
+                    pub_address=f"tcp://{host}:{pub + rank}",
+                    replay_address=None if replay is None else f"tcp://{host}:{replay + rank}",
+                )
+                plans[Source(endpoint.address, rank)] = SourcePlan(target, namespace, ws.kv_block_size)
     return plans
 
 

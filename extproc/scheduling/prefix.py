@@ -53,6 +53,8 @@ class PrefixMatch:
     prompt_tokens: int | None = None
     #: Approximate keys to record against the endpoint picked (empty when nothing to learn).
     approx_keys: list[int] = field(default_factory=list)
+    #: For pods with several data-parallel ranks: the rank holding the cached prefix, per endpoint.
+    ranks: dict[EndpointAddress, int] = field(default_factory=dict)
 
 
 NO_MATCH = PrefixMatch("none")
@@ -90,10 +92,11 @@ class PrefixScorer:
         rest = [e for e in candidates if e.kv_events_port is None]
         mode: PrefixMode = "none"
         cached: dict[EndpointAddress, int] = {}
+        ranks: dict[EndpointAddress, int] = {}
         tokens = self._tokens(route.upstream_model, prompt) if precise else None
         if tokens is not None:
             mode = "precise"
-            self._match_precise(catalog, route.upstream_model, tokens, precise, cached)
+            self._match_precise(catalog, route.upstream_model, tokens, precise, cached, ranks)
         else:
             rest = list(candidates)
         keys: list[int] = []
@@ -104,7 +107,7 @@ class PrefixScorer:
                 mode = "approximate" if mode == "none" else mode
                 cached.update(self.approx.match(keys, [e.address for e in rest]))
         self.counters.lookups[mode] += 1
-        return PrefixMatch(mode, cached, None if tokens is None else len(tokens), keys)
+        return PrefixMatch(mode, cached, None if tokens is None else len(tokens), keys, ranks)
 
     def record(self, match: PrefixMatch, endpoint: EndpointAddress) -> None:
         """Learn from a decision (approximate mode only: precise mode learns from the engines)."""
@@ -129,16 +132,33 @@ class PrefixScorer:
         tokens: list[int],
         endpoints: list[Endpoint],
         cached: dict[EndpointAddress, int],
+        ranks: dict[EndpointAddress, int],
     ) -> None:
+        """Cached tokens per endpoint: its best data-parallel rank's leading blocks x block size.
+
+        The rank is reported only for pods with several ranks and a hit, so the engine's own load
+        balancer still spreads requests that no rank has cached.
+        """
         seed = namespace_seed(model)
-        by_block_size: dict[int, list[Endpoint]] = {}
+        groups: dict[int, list[Source]] = {}
+        multi_rank: set[EndpointAddress] = set()
         for endpoint in endpoints:
             ws = catalog.worker_sets.get(endpoint.worker_set)
             if ws is not None:
-                by_block_size.setdefault(ws.kv_block_size, []).append(endpoint)
+                group = groups.setdefault(ws.kv_block_size, [])
+                group.extend(Source(endpoint.address, rank) for rank in range(ws.data_parallel_size))
+                if ws.data_parallel_size > 1:
+                    multi_rank.add(endpoint.address)
         token_tuple = tuple(tokens)
-        for block_size, group in by_block_size.items():
+        best: dict[EndpointAddress, tuple[int, int]] = {}
+        for block_size, sources in groups.items():
             keys = block_keys(token_tuple, block_size, seed)
-            held = self.index.match(keys, [Source(e.address, 0) for e in group])
-            for source, blocks in held.items():
-                cached[source.endpoint] = blocks * block_size
+            for source, blocks in self.index.match(keys, sources).items():
+                held = blocks * block_size
+                current = best.get(source.endpoint)
+                if current is None or held > current[0]:
+                    best[source.endpoint] = (held, source.dp_rank)
+        for address, (held, rank) in best.items():
+            cached[address] = held
+            if held and address in multi_rank:
+                ranks[address] = rank

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 #: Headers we add for the upstream's and operators' benefit (never read back from clients).
 MODEL_HEADER = "x-gateway-model-name"
+#: vLLM routes a request carrying this header to that data-parallel rank (0.10+).
+DP_RANK_HEADER = "x-data-parallel-rank"
 _FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
 Responses = list[ep.ProcessingResponse]
 
@@ -182,6 +184,10 @@ class RequestStream:
         extra: dict[str, str] = {}
         if decision.route is not None:
             extra[MODEL_HEADER] = decision.route.upstream_model
+        rank = decision.prefix.ranks.get(decision.endpoints[0].address)
+        if rank is not None:
+            # vLLM's API server sends a request to this DP rank (the one holding the prefix).
+            extra[DP_RANK_HEADER] = str(rank)
         if body is not None:
             # BUFFERED keeps Content-Length; it must describe the rewritten body.
             extra["content-length"] = str(len(body))

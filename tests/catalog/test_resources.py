@@ -388,3 +388,38 @@ def test_typed_list_items_inherit_api_version() -> None:
         iter_objects({"apiVersion": "v1", "kind": "ServiceList", "items": [{"metadata": {"name": "a"}}]})
     )
     assert parse_object(items[0]) == Service(namespace="default", name="a")
+
+
+@pytest.mark.parametrize(
+    ("annotations", "expected"),
+    [(None, 1), ({"kinference.buoyant.io/data-parallel-size": "4"}, 4), ({"other": "x"}, 1)],
+    ids=["absent", "four", "unrelated"],
+)
+def test_data_parallel_size_comes_from_an_annotation(
+    annotations: dict[str, str] | None, expected: int
+) -> None:
+    """The DP rank count per pod is an annotation (the CRD spec stays as it is)."""
+    doc = _dp_doc(annotations)
+    parsed = parse_object(doc)
+    assert isinstance(parsed, InferenceWorkerSet) and parsed.data_parallel_size == expected
+
+
+@pytest.mark.parametrize("value", ["0", "65", "two", 4], ids=["zero", "too-many", "word", "not-a-string"])
+def test_bad_data_parallel_annotation_names_it(value: object) -> None:
+    """A bad annotation value is rejected naming the annotation."""
+    with pytest.raises(
+        InvalidObject, match=r"metadata.annotations\[kinference.buoyant.io/data-parallel-size\]"
+    ):
+        parse_object(_dp_doc({"kinference.buoyant.io/data-parallel-size": value}))
+
+
+def _dp_doc(annotations: dict[str, object] | None) -> dict[str, object]:
+    metadata: dict[str, object] = {"name": "llama", "namespace": "default"}
+    if annotations is not None:
+        metadata["annotations"] = annotations
+    return {
+        "apiVersion": "kinference.buoyant.io/v1alpha1",
+        "kind": "InferenceWorkerSet",
+        "metadata": metadata,
+        "spec": {"serviceRef": {"name": "llama", "port": 80}, "profile": "p", "kvBlockSize": 16},
+    }

@@ -11,8 +11,9 @@ import pytest
 from extproc.catalog.model import Catalog, Endpoint, Route, WorkerSet
 from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.scheduler import Scheduler
+from extproc.scheduling.inflight import InFlight, Lease
+from extproc.scheduling.prefix import PrefixMatch
+from extproc.scheduling.scheduler import Decision, Scheduler
 from extproc.server.budget import BodyBudget
 from extproc.server.messages import STREAM_CHUNK_BYTES
 from extproc.server.stream import RequestStream
@@ -341,3 +342,37 @@ def test_model_lookup_decodes_escapes() -> None:
     for path in ("/v1/models/llama-3-8b", "/v1/models/llama%2D3%2D8b"):
         [answer] = h.stream().handle(headers("GET", path, eos=True))
         assert orjson.loads(answer.immediate_response.body)["id"] == "llama-3-8b"
+
+
+class _RankedRouter:
+    """A router whose decision says which data-parallel rank of the pick holds the prefix."""
+
+    def __init__(self, rank: int | None) -> None:
+        self.inflight = InFlight()
+        self.rank = rank
+
+    def schedule(
+        self, model: str | None, subset: frozenset[str] | None = None, *, prompt: object = None
+    ) -> Decision:
+        route = _catalog().resolve("llama-3-8b")
+        assert route is not None
+        pick = route.endpoints[0]
+        ranks = {} if self.rank is None else {pick.address: self.rank}
+        return Decision(route, (pick,), PrefixMatch("precise", {pick.address: 48}, 60, [], ranks))
+
+    def acquire(self, address: EndpointAddress) -> Lease:
+        return self.inflight.acquire(address)
+
+    def models(self) -> list[tuple[str, str]]:
+        return []
+
+
+@pytest.mark.parametrize(("rank", "expected"), [(1, "1"), (None, None)], ids=["ranked", "no-rank"])
+def test_data_parallel_rank_header_names_the_rank_holding_the_prefix(
+    rank: int | None, expected: str | None
+) -> None:
+    """When a DP rank of the pick holds the prefix, the request carries x-data-parallel-rank for vLLM."""
+    s = RequestStream(_RankedRouter(rank), Metrics(), max_body_bytes=1 << 20, budget=BodyBudget(1 << 30))
+    s.handle(headers())
+    [answer] = s.handle(body(chat("llama-3-8b")))
+    assert set_headers(answer.request_body.response).get("x-data-parallel-rank") == expected
