@@ -6,6 +6,8 @@ deployment runs: the shipped ``envoy/gateway.yaml`` (only ports, endpoints and b
 cluster holds, and :mod:`extproc.sim` engines that behave like vLLM: they answer to the upstream
 model names only (an alias that was not rewritten gets vLLM's 404), tokenize with the model's chat
 template, keep a prefix cache, take model time to answer, and publish KV-cache events over ZMQ.
+The catalog declares those event ports and the router gets the engines' tokenizer and templates,
+so it follows every engine's cache and routes by cached prefix, as ``serve`` does in a cluster.
 The engines run in this process, so the live view reads their state directly (no scrape).
 
 Everything is started under one :class:`contextlib.AsyncExitStack`, so whatever fails or stops the
@@ -22,14 +24,14 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO, cast
 
 import aiohttp
 
-from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
+from extproc.demo.catalog import LocalWorkerSet, catalog_yaml, kv_ports_of
 from extproc.demo.view import (
     EndpointRow,
     EngineLine,
@@ -45,12 +47,13 @@ from extproc.errors import ConfigError, ExtprocError
 from extproc.gateway.config import BodyMode, load_config, render_config, shipped_config
 from extproc.gateway.process import EnvoyError, EnvoyProcess, envoy_binary
 from extproc.server.app import Server
-from extproc.settings import ServeSettings, SourceSettings
+from extproc.settings import PrefixSettings, ServeSettings, SourceSettings
 from extproc.sim.engine_core import EngineParams
 from extproc.sim.fleet import SimFleet
 from extproc.sim.server import SimServer
 from extproc.sim.settings import KVEventSettings, SimSettings
 from extproc.telemetry import Metrics
+from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerSpec
 from extproc.types import EndpointAddress
 
 HOST = "127.0.0.1"
@@ -120,6 +123,10 @@ class Engine:
     @property
     def address(self) -> str:
         return self.server.address
+
+    def kv_ports(self) -> tuple[int, int | None]:
+        """Rank 0's (PUB port, replay port): what the catalog declares for this endpoint."""
+        return kv_ports_of(self.kv_events[0], self.kv_replay[0] or None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,23 +285,32 @@ class Demo:
         self.started = time.monotonic()
 
     def _worker_sets(self) -> list[LocalWorkerSet]:
+        """The catalog: each set with its engines, and where each engine publishes KV events."""
         return [
             LocalWorkerSet(
                 name=s.name,
                 model=s.upstream,
                 aliases=(s.alias,),
                 endpoints=[e.address for e in self.engines if e.worker_set == s],
+                kv_ports={e.address: e.kv_ports() for e in self.engines if e.worker_set == s},
             )
             for s in self.sets
         ]
 
-    async def _start_server(self, catalog: Path) -> None:
-        settings = ServeSettings(
+    def serve_settings(self, catalog: Path) -> ServeSettings:
+        """``serve --source file:CATALOG --tokenizer MODEL=extproc:tiny --chat-template MODEL=T`` for
+        every set: the engines' own tokenizer and template, so the router routes precisely."""
+        tokenizers = tuple(TokenizerSpec(s.upstream, SHIPPED_TOKENIZER, s.chat_template) for s in self.sets)
+        return ServeSettings(
             source=SourceSettings(kind="file", path=catalog),
             listen=f"{HOST}:{self.options.grpc_port}",
             admin_listen=f"{HOST}:0",
             drain_seconds=1.0,
+            prefix=PrefixSettings(tokenizers=tokenizers),
         )
+
+    async def _start_server(self, catalog: Path) -> None:
+        settings = self.serve_settings(catalog)
         server = Server(settings)
         # stop() is safe on a half-started server, so registering first covers every failure point.
         self._stack.push_async_callback(server.stop)
@@ -378,6 +394,89 @@ class Demo:
         outcomes = request_outcomes(self.server.metrics) if self.server is not None else {}
         return Snapshot(self.url, time.monotonic() - self.started, rows, outcomes, traffic)
 
+    def prefix(self) -> PrefixView:
+        """The router's side of prefix routing: how it matched prompts, what its index holds."""
+        if self.server is None:
+            return PrefixView({}, 0, ())
+        state = self.server.prefix.debug_state()["sources"]
+        engines = []
+        for e in self.engines:
+            source = state.get(f"{e.address}/dp0")
+            blocks = None if source is None or not source["connected"] else int(source["gpuBlocks"])
+            engines.append((e.worker_set.name, blocks, bool(source and source["complete"])))
+        counters = self.server.prefix.scorer.counters
+        return PrefixView(dict(counters.lookups), counters.tokenize_errors, tuple(engines))
+
+    def intro_text(self) -> str:
+        """The rendered intro, with a line saying how the router matches prompts to caches."""
+        templates = ", ".join(f"{s.alias} {s.chat_template}" for s in self.sets)
+        router = (
+            f"Router: routes by cached prefix, tokenizing like the engines ({SHIPPED_TOKENIZER}: {templates})"
+        )
+        return render_intro(self.intro()).replace("\nTry:\n", f"\n{router}\nTry:\n", 1)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixView:
+    """What the live view shows of the router's prefix routing (rendered here, below the table)."""
+
+    #: ``extproc_prefix_lookups_total`` by mode: precise (tokenized, KV events), approximate, none.
+    lookups: Mapping[str, int]
+    tokenize_errors: int
+    #: Per engine, in table order: (worker set, GPU blocks the router's index holds or None when
+    #: not subscribed yet, whether its event stream is complete from seq 0).
+    engines: Sequence[tuple[str, int | None, bool]]
+
+    def lines(self, width: int = 100) -> list[str]:
+        """Two short lines (wrapped to ``width`` with many engines) for the TTY frame."""
+        modes = [
+            f"precise {self.lookups.get('precise', 0)}",
+            f"approximate {self.lookups.get('approximate', 0)}",
+        ]
+        if self.tokenize_errors:
+            modes.append(f"tokenize errors {self.tokenize_errors}")
+        in_sync = sum(1 for _, blocks, complete in self.engines if blocks is not None and complete)
+        # (separator, text) pieces; a line may break before any piece, e.g. between two counts.
+        pieces = [("", f"router index, blocks per engine ({in_sync}/{len(self.engines)} in sync):")]
+        for n, (name, counts) in enumerate(self._per_set().items()):
+            pieces.append((" " if n == 0 else "  ", name))
+            pieces += [(" " if i == 0 else "/", count) for i, count in enumerate(counts.split("/"))]
+        index = [""]
+        for sep, text in pieces:
+            if index[-1] and len(index[-1]) + len(sep) + len(text) > width:
+                index.append("  " + text)
+            else:
+                index[-1] += (sep if index[-1] else "") + text
+        return ["router prefix lookups: " + "  ".join(modes), *index]
+
+    def summary(self) -> str:
+        """The one-line summary's part: ``lookups: precise=N approximate=M indexed=a/b/c,d``."""
+        indexed = ",".join(self._per_set().values())
+        return (
+            f"lookups: precise={self.lookups.get('precise', 0)} "
+            f"approximate={self.lookups.get('approximate', 0)} indexed={indexed}"
+        )
+
+    def _per_set(self) -> dict[str, str]:
+        groups: dict[str, list[str]] = {}
+        for name, blocks, _ in self.engines:
+            groups.setdefault(name, []).append("-" if blocks is None else str(blocks))
+        return {name: "/".join(counts) for name, counts in groups.items()}
+
+
+def render_demo_frame(snapshot: Snapshot, prefix: PrefixView, intro: str = "") -> str:
+    """The view's frame, then the router's prefix lines below the outcomes."""
+    return render_frame(snapshot, intro) + "\n".join(prefix.lines()) + "\n"
+
+
+def render_demo_line(snapshot: Snapshot, prefix: PrefixView) -> str:
+    """The view's one-line summary with the prefix part before the traffic (which stays last)."""
+    line = render_line(replace(snapshot, traffic=None)) + " " + prefix.summary()
+    if snapshot.traffic is not None:
+        t = snapshot.traffic
+        line += f" traffic: sent={t.sent} ok={t.ok} failed={t.failed}"
+    return line
+
 
 def _engine(demo_set: DemoSet, server: SimServer) -> Engine:
     publishers = [rank.publisher for rank in server.ranks if rank.publisher is not None]
@@ -412,8 +511,8 @@ class _Traffic:
         return TrafficStats(self.sent, self.ok, self.failed)
 
 
-#: Every sample chat starts with this system prompt, as a deployed assistant's requests do: the
-#: engines then find its blocks in their prefix caches, and the live view's "prefix hits" climbs.
+#: Every sample chat starts with a long system prompt, as a deployed assistant's requests do: the
+#: router sends them where that prompt is cached, and the live view's "prefix hits" climbs.
 SYSTEM_PROMPT = (
     "You are the assistant of the extproc demo, a gateway that routes OpenAI-style requests through "
     "Envoy to a pool of model servers. Answer in a friendly, concise way, in plain text without "
@@ -426,6 +525,13 @@ SYSTEM_PROMPT = (
     "earlier prompt are reused instead of being computed again, which is why requests that share a "
     "long beginning are cheaper on the server that has already seen it. If you do not know an "
     "answer, say so rather than guessing, and never invent numbers, names or quotations."
+)
+#: Three assistants, each with its own system prompt (they differ from the first sentence, so they
+#: share no cached block): the router keeps each one on the engine holding its prompt.
+SYSTEM_PROMPTS = (
+    SYSTEM_PROMPT,
+    "You talk to operators who are on call tonight and want short, exact answers. " + SYSTEM_PROMPT,
+    "You talk to students who are new to model serving and like examples. " + SYSTEM_PROMPT,
 )
 #: The qwen set gets completions that continue one shared document, for the same reason.
 DOCUMENT = (
@@ -453,7 +559,8 @@ def sample_request(rng: random.Random, sets: Sequence[DemoSet]) -> tuple[str, st
     """
     first, last = sets[0].alias, sets[-1].alias
     question = rng.choice(_QUESTIONS)
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    system = rng.choice(SYSTEM_PROMPTS)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     roll = rng.random()
     if roll < 0.45:
         body = {"model": first, "messages": messages, "max_tokens": rng.randint(8, 32)}
@@ -508,7 +615,7 @@ async def run_demo(args: argparse.Namespace, stop: asyncio.Event) -> None:
     tty = out.isatty()
     traffic = _Traffic() if options.traffic else None
     async with Demo(options) as demo:
-        intro = render_intro(demo.intro())
+        intro = demo.intro_text()
         if not tty:
             _write(out, intro + "\n")
         tasks = [asyncio.create_task(_live_view(demo, traffic, intro, out, tty), name="demo-view")]
@@ -525,7 +632,8 @@ async def run_demo(args: argparse.Namespace, stop: asyncio.Event) -> None:
             if tty:
                 _write(out, _SHOW_CURSOR)
         final = demo.snapshot(traffic.stats() if traffic is not None else None)
-    _write(out, f"\nstopped ({reason}); Envoy, router and engines are shut down.\n{render_line(final)}\n")
+        final_line = render_demo_line(final, demo.prefix())
+    _write(out, f"\nstopped ({reason}); Envoy, router and engines are shut down.\n{final_line}\n")
 
 
 async def _wait_for_end(stop: asyncio.Event, duration: float | None, tasks: list[asyncio.Task[None]]) -> str:
@@ -551,7 +659,11 @@ async def _live_view(demo: Demo, traffic: _Traffic | None, intro: str, out: Text
         _write(out, _HIDE_CURSOR)
     while True:
         snapshot = demo.snapshot(traffic.stats() if traffic is not None else None)
-        _write(out, render_frame(snapshot, intro) if tty else render_line(snapshot) + "\n")
+        prefix = demo.prefix()
+        _write(
+            out,
+            render_demo_frame(snapshot, prefix, intro) if tty else render_demo_line(snapshot, prefix) + "\n",
+        )
         await asyncio.sleep(TTY_INTERVAL if tty else LOG_INTERVAL)
 
 

@@ -84,8 +84,8 @@ class ModelLine:
 class EngineLine:
     """One simulated engine, for the intro: where it serves and where it publishes KV events.
 
-    The event endpoints are what a KV-aware router would subscribe to, so they are worth showing
-    even though this router does not subscribe yet.
+    The event endpoints are what the router subscribes to (the catalog declares them), so a
+    reader can match them with ``/debug/state`` -> ``prefix.sources``.
     """
 
     worker_set: str

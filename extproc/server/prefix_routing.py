@@ -71,7 +71,7 @@ class PrefixRouting:
         return PrefixCollector(self)
 
     def debug_state(self) -> dict[str, Any]:
-        """The ``kvEvents`` section of ``/debug/state``: every source's subscription and index state."""
+        """The ``prefix`` section of ``/debug/state``: tokenizers, parity, every KV source's state."""
         index_stats = self.index.stats().sources
         sources: dict[str, Any] = {}
         for source, sub in sorted(self.subscriptions.stats().items()):

@@ -18,6 +18,7 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -25,8 +26,18 @@ import pytest
 from ports import free_port
 from processes import pid_gone
 
-from extproc.demo.run import DOCUMENT, SYSTEM_PROMPT, Demo, check_ports_free, demo_options, sample_request
-from extproc.demo.view import EndpointRow, Snapshot, render_table
+from extproc.demo.run import (
+    DOCUMENT,
+    SYSTEM_PROMPT,
+    SYSTEM_PROMPTS,
+    Demo,
+    PrefixView,
+    check_ports_free,
+    demo_options,
+    render_demo_line,
+    sample_request,
+)
+from extproc.demo.view import EndpointRow, Snapshot, TrafficStats, render_table
 from extproc.errors import ConfigError
 
 LLAMA = "meta-llama/Meta-Llama-3-8B-Instruct"
@@ -265,6 +276,10 @@ async def test_demo_routes_through_real_envoy_and_stops_cleanly_on_sigint(demo: 
     assert served["qwen-2-7b"][0] > 0, final
     hits = re.search(r" prefix_hits=(\d+)% ", final)
     assert hits is not None and int(hits[1]) > 0, final
+    # The router matched every prompt precisely (tokenizer + KV events), and indexed every engine.
+    lookups = re.search(r" lookups: precise=(\d+) approximate=(\d+) indexed=([\d/]+),(\d+) ", final)
+    assert lookups is not None and int(lookups[1]) > 0 and lookups[2] == "0", final
+    assert sum(int(n) for n in lookups[3].split("/")) > 0 and int(lookups[4]) > 0, final
     assert "Traceback" not in run.output()
     await _assert_all_stopped(run)
 
@@ -351,12 +366,87 @@ async def _wait_for_row(
     return next(r for r in snapshot.endpoints if ready(r))
 
 
+async def test_demo_router_follows_the_engines_and_routes_by_cached_prefix() -> None:
+    """The catalog declares each engine's KV-event ports and the router tokenizes like the engines:
+    it subscribes to all of them, and a chat sharing a cached system prompt goes where it is cached."""
+    options = demo_options(_args(port=free_port(), admin_port=free_port(), grpc_port=free_port(), backends=2))
+    async with Demo(options) as demo_, aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as session:
+        assert demo_.server is not None
+        catalog = demo_.server.store.current
+        declared = {
+            e.address: (e.kv_events_port, e.kv_replay_port)
+            for ws in catalog.worker_sets.values()
+            for e in ws.endpoints
+        }
+        assert declared == {e.address: e.kv_ports() for e in demo_.engines}
+        assert all(pub and replay for pub, replay in declared.values())
+        assert demo_.server.prefix.tokenizers.models() == sorted([LLAMA, QWEN])
+        prefix = await _wait_for_prefix(demo_, lambda p: all(b is not None for _, b, _ in p.engines))
+        assert [name for name, _, _ in prefix.engines] == ["llama-3-8b", "llama-3-8b", "qwen-2-7b"]
+
+        url = f"{demo_.url}/v1/chat/completions"
+        system = {"role": "system", "content": SYSTEM_PROMPTS[1]}
+        first = {
+            "model": "chat",
+            "messages": [system, {"role": "user", "content": "Hello!"}],
+            "max_tokens": 2,
+        }
+        await _post_json(session, url, first)
+        owner = next(e for e in demo_.engines if e.server.requests_finished == 1)
+        # The engine's blocks reach the router's index through its KV events...
+        await _wait_for_prefix(demo_, lambda p: (p.engines[demo_.engines.index(owner)][1] or 0) >= 400 // 16)
+        # ...so the next chat with that system prompt goes to the same engine, and hits its cache.
+        second = {**first, "messages": [system, {"role": "user", "content": "What is a KV cache?"}]}
+        answer = await _post_json(session, url, second)
+        assert owner.server.requests_finished == 2
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 400 // 16 * 16
+        prefix = demo_.prefix()
+        assert prefix.lookups["precise"] == 2 and prefix.lookups["approximate"] == 0
+        assert all(len(line) <= 100 for line in prefix.lines())
+
+
+async def _wait_for_prefix(
+    demo_: Demo, ready: Callable[[PrefixView], bool], within: float = 10.0
+) -> PrefixView:
+    """The first prefix view that satisfies ``ready``, polling until ``within``."""
+    deadline = time.monotonic() + within
+    while True:
+        prefix = demo_.prefix()
+        if ready(prefix):
+            return prefix
+        if time.monotonic() > deadline:
+            pytest.fail(f"no prefix view matched within {within} s; the last: {prefix}")
+        await asyncio.sleep(0.01)
+
+
+def test_prefix_view_fits_the_screen_and_keeps_traffic_last() -> None:
+    view = PrefixView(
+        {"precise": 12, "approximate": 3, "none": 1},
+        2,
+        (("llama-3-8b", 60, True), ("llama-3-8b", None, False), ("qwen-2-7b", 20, False)),
+    )
+    assert view.lines() == [
+        "router prefix lookups: precise 12  approximate 3  tokenize errors 2",
+        "router index, blocks per engine (1/3 in sync): llama-3-8b 60/-  qwen-2-7b 20",
+    ]
+    assert view.summary() == "lookups: precise=12 approximate=3 indexed=60/-,20"
+    snapshot = Snapshot("http://x", 5.0, [EndpointRow("llama-3-8b", "127.0.0.1:1", 3, 0)], {"routed": 3})
+    line = render_demo_line(replace(snapshot, traffic=TrafficStats(4, 3, 1)), view)
+    assert line.endswith(" lookups: precise=12 approximate=3 indexed=60/-,20 traffic: sent=4 ok=3 failed=1")
+    assert _served_per_set(line) == {"llama-3-8b": [3]}  # the summary's parsers are not confused
+    many = PrefixView({}, 0, tuple(("llama-3-8b", 123_456, True) for _ in range(64)))
+    lines = many.lines()
+    assert len(lines) > 2 and all(len(line) <= 100 for line in lines)
+    assert " ".join(lines).count("123456") == 64
+
+
 def test_sample_traffic_is_cheap_and_shares_prefixes() -> None:
     """--traffic keeps answers short, and its prompts share long beginnings so prefix caches hit."""
     import random
 
     sets = demo_options(_args()).sets()
     kinds = set()
+    systems: set[str] = set()
     rng = random.Random(0)
     for _ in range(200):
         method, path, body = sample_request(rng, sets)
@@ -366,7 +456,8 @@ def test_sample_traffic_is_cheap_and_shares_prefixes() -> None:
         assert 1 <= body["max_tokens"] <= 96
         if path == "/v1/chat/completions":
             assert body["model"] == "chat"
-            assert body["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT}
+            assert body["messages"][0]["role"] == "system"
+            systems.add(body["messages"][0]["content"])
         else:
             assert body["model"] == "qwen" and body["prompt"].startswith(DOCUMENT)
     assert kinds == {
@@ -375,7 +466,10 @@ def test_sample_traffic_is_cheap_and_shares_prefixes() -> None:
         ("POST", "/v1/completions", False),
         ("GET", "/v1/models", None),
     }
+    assert systems == set(SYSTEM_PROMPTS)
     assert len(SYSTEM_PROMPT) > 1000  # hundreds of tokens: dozens of 16-token KV blocks
+    # Each assistant's prompt differs from its first words on: no cached block in common.
+    assert len({p[:24] for p in SYSTEM_PROMPTS}) == len(SYSTEM_PROMPTS)
 
 
 # -- setup errors ---------------------------------------------------------------------------------------
