@@ -27,6 +27,7 @@ from typing import Any
 
 import grpc
 import orjson
+from machine import machine_busy_seconds
 
 from extproc.pb.envoy.config.core.v3 import base_pb2 as core
 from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
@@ -121,13 +122,6 @@ def proc_cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat", encoding="ascii") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
-
-
-def machine_busy_seconds() -> float:
-    """CPU-seconds all processes on the machine have used (/proc/stat, minus idle and iowait)."""
-    with open("/proc/stat", encoding="ascii") as f:
-        ticks = [int(x) for x in f.readline().split()[1:8]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / _CLK_TCK
 
 
 def self_cpu_seconds() -> float:

@@ -11,13 +11,11 @@ and a markdown summary next to it.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import gc
 import hashlib
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -31,6 +29,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from machine import machine, machine_busy_seconds
 
 from extproc.kvindex import (
     BlockStored,
@@ -65,13 +65,6 @@ def new_index(members: list[Source], bound: int = 10**9) -> PrefixIndex:
 
 CALIBRATION: list[float] = []
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def machine_busy_seconds() -> float:
-    """CPU-seconds all processes on the machine have used (/proc/stat, minus idle and iowait)."""
-    with open("/proc/stat", encoding="ascii") as f:
-        ticks = [int(x) for x in f.readline().split()[1:8]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / _CLK_TCK
 
 
 def wait_quiet(limit: float = 0.25, within: float = 180.0) -> float:
@@ -433,26 +426,6 @@ def memory_cases(quick: bool) -> list[dict[str, Any]]:
 
 
 # --- report ---------------------------------------------------------------------------------------------
-
-
-def machine() -> dict[str, Any]:
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    git = ("git", "-C", str(HERE.parent))
-
-    def run(*args: str) -> str:
-        return subprocess.run(args, capture_output=True, text=True, check=False).stdout.strip()
-
-    return {
-        "cpu_model": next(
-            (ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?"
-        ),
-        "nproc": os.cpu_count(),
-        "python": platform.python_version(),
-        "loadavg_at_start": os.getloadavg(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "git_commit": run(*git, "rev-parse", "HEAD"),
-        "git_dirty": bool(run(*git, "status", "--porcelain")),
-    }
 
 
 SECTIONS = ("micro", "ingest", "lookup", "memory")

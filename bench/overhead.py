@@ -15,11 +15,9 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
-import datetime
 import functools
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -37,7 +35,8 @@ import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grpc_load import chat_body, closed_loop, machine_busy_seconds, percentiles, run_load, stream_logic_us
+from grpc_load import chat_body, closed_loop, percentiles, run_load, stream_logic_us
+from machine import machine, machine_busy_seconds
 
 from extproc.demo.backends import Backend
 from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
@@ -193,25 +192,6 @@ def _run(*args: str) -> str:
     return subprocess.run(args, capture_output=True, text=True, check=False).stdout.strip()
 
 
-def machine() -> dict[str, Any]:
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    git = ("git", "-C", str(Path(__file__).resolve().parents[1]))
-    return {
-        "cpu_model": next(
-            (ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?"
-        ),
-        "cores": os.cpu_count(),
-        "cores_usable": len(os.sched_getaffinity(0)),
-        "loadavg_at_start": os.getloadavg(),
-        "python": platform.python_version(),
-        "envoy": _run(envoy_binary(), "--version").split("version:")[-1].strip(),
-        "grpcio": grpc.__version__,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "git_commit": _run(*git, "rev-parse", "HEAD"),
-        "git_dirty": bool(_run(*git, "status", "--porcelain")),
-    }
-
-
 async def wait_quiet(limit: float = 0.25, within: float = 180.0) -> float:
     """Wait (at most ``within`` s) until the machine uses under ``limit`` cores over 2 s; the last reading."""
     deadline = time.monotonic() + within
@@ -225,7 +205,12 @@ async def wait_quiet(limit: float = 0.25, within: float = 180.0) -> float:
 
 async def run(quick: bool) -> dict[str, Any]:
     seconds = 3.0 if quick else 10.0
-    results: dict[str, Any] = {"machine": machine(), "quick": quick}
+    results: dict[str, Any] = {
+        "machine": machine(
+            envoy=_run(envoy_binary(), "--version").split("version:")[-1].strip(), grpcio=grpc.__version__
+        ),
+        "quick": quick,
+    }
     results["machine"]["busy_cores_before"] = await wait_quiet()
     results["json_parse"] = json_micro(3 if quick else 7)
     async with contextlib.AsyncExitStack() as stack:

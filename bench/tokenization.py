@@ -22,14 +22,11 @@ token count is longer text there, and its per-token cost differs. See the markdo
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -37,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
+from machine import machine
 
 from extproc.kvindex.keys import block_keys, namespace_seed
 from extproc.tokenize.pipeline import render_chat
@@ -184,30 +182,12 @@ def measure(tokenizer: ModelTokenizer, path: str, body: dict[str, Any], budget: 
     return out
 
 
-def machine() -> dict[str, Any]:
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    git = ("git", "-C", str(HERE.parent))
-
-    def run(*args: str) -> str:
-        return subprocess.run(args, capture_output=True, text=True, check=False).stdout.strip()
-
-    return {
-        "cpu_model": next(
-            (ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?"
-        ),
-        "nproc": os.cpu_count(),
-        "affinity": len(os.sched_getaffinity(0)),
-        "python": platform.python_version(),
-        "tokenizers": tokenizers.__version__,
-        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "git_commit": run(*git, "rev-parse", "HEAD"),
-        "git_dirty": bool(run(*git, "status", "--porcelain")),
-    }
-
-
 def run_all(quick: bool) -> dict[str, Any]:
-    results: dict[str, Any] = {"machine": machine(), "quick": quick, "cases": []}
+    results: dict[str, Any] = {
+        "machine": machine(tokenizers=tokenizers.__version__),
+        "quick": quick,
+        "cases": [],
+    }
     scale = 0.2 if quick else 1.0
     loaded = {
         template: TokenizerRegistry.load([TokenizerSpec(MODEL, SHIPPED_TOKENIZER, template)]).get(MODEL)

@@ -10,22 +10,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 from ports import free_port
+from processes import run_extproc
 
 DATA = Path(__file__).resolve().parent / "data" / "catalog.yaml"
-
-
-async def _run(*args: str) -> tuple[int, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "extproc",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    out, _ = await asyncio.wait_for(proc.communicate(), 20)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode()
 
 
 @pytest.mark.parametrize(
@@ -40,7 +27,7 @@ async def _run(*args: str) -> tuple[int, str]:
 )
 async def test_serve_refuses_bad_setup_clearly(args: list[str], code: int, message: str) -> None:
     """Bad flags or an unreadable source exit non-zero with a message naming the problem."""
-    returncode, output = await _run("serve", *args)
+    returncode, output = await run_extproc("serve", *args)
     assert returncode == code, output
     assert message in output
     assert "Traceback" not in output

@@ -9,25 +9,11 @@ import sys
 import aiohttp
 import pytest
 from ports import free_port
+from processes import run_extproc
 
 from extproc.errors import ConfigError
 from extproc.sim.fleet import SimFleet, check_port_layout, replica_settings
 from extproc.sim.settings import KVEventSettings, SimSettings
-
-
-async def _run(*args: str) -> tuple[int, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "extproc",
-        "sim",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    out, _ = await asyncio.wait_for(proc.communicate(), 20)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode()
 
 
 @pytest.mark.parametrize(
@@ -61,7 +47,7 @@ async def _run(*args: str) -> tuple[int, str]:
 )
 async def test_bad_flags_exit_2_naming_the_flag(args: list[str], message: str) -> None:
     """Bad flags exit 2 with a message naming what is wrong, never a traceback."""
-    returncode, output = await _run(*args)
+    returncode, output = await run_extproc("sim", *args)
     assert returncode == 2, output
     assert message in output
     assert "Traceback" not in output

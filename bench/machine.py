@@ -1,0 +1,50 @@
+"""What every benchmark records about the machine it ran on, and how busy that machine is.
+
+Numbers are only comparable with numbers from the same kind of machine, so each result file
+starts with this description (CPU, cores, Python, load, commit).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> str:
+    return subprocess.run(args, capture_output=True, text=True, check=False).stdout.strip()
+
+
+def machine(**extra: Any) -> dict[str, Any]:
+    """CPU, cores, Python, load, date and commit; ``extra`` adds versions of the parts measured."""
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    git = ("git", "-C", str(_REPO))
+    cores = os.cpu_count()
+    return {
+        "cpu_model": next(
+            (ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?"
+        ),
+        "cores": cores,
+        # Older result files call it nproc; kept so their renderers and readers still work.
+        "nproc": cores,
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "git_commit": _run(*git, "rev-parse", "HEAD"),
+        "git_dirty": bool(_run(*git, "status", "--porcelain")),
+        **extra,
+    }
+
+
+def machine_busy_seconds() -> float:
+    """CPU-seconds all processes on the machine have used (/proc/stat, minus idle and iowait)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        ticks = [int(x) for x in f.readline().split()[1:8]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / _CLK_TCK
