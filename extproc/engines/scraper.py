@@ -1,0 +1,261 @@
+"""Poll every ready endpoint's ``/metrics`` and keep the latest :class:`EngineSignals` per endpoint.
+
+One task scrapes all endpoints of the current catalog concurrently, once per ``interval`` seconds,
+so the request path only reads a dict. A scrape that fails keeps the last good signals but records
+why; signals older than :data:`STALE_INTERVALS` intervals are marked stale, since load data that old
+says little about the next request and a scheduler should fall back to load-blind choices.
+Endpoints that leave the catalog are forgotten at once (catalog notification), not at the next tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from extproc.catalog.model import Catalog
+from extproc.catalog.store import CatalogStore
+from extproc.engines.signals import EngineSignals, MetricsParseError, parse_signals
+from extproc.types import EndpointAddress
+
+log = logging.getLogger(__name__)
+
+#: A /metrics page larger than this (bytes) is refused: vLLM's is tens of KiB even with many LoRAs.
+MAX_RESPONSE_BYTES = 4 * 1024 * 1024
+#: Signals older than this many scrape intervals are stale.
+STALE_INTERVALS = 3.0
+#: At most one warning per endpoint and kind of failure per this many seconds.
+LOG_INTERVAL = 60.0
+#: Scrapes in flight at once, so a catalog of hundreds of pods does not open hundreds of sockets.
+MAX_CONCURRENCY = 64
+
+
+class ScrapeError(Exception):
+    """A scrape that returned no usable page (HTTP status, size, content)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSignals:
+    """What the scraper knows about one endpoint, as of :meth:`EngineScraper.snapshot`."""
+
+    address: EndpointAddress
+    url: str
+    #: The latest successfully parsed signals (kept across later failures), None if never scraped.
+    signals: EngineSignals | None
+    #: ``clock()`` (seconds) when ``signals`` was fetched.
+    scraped_at: float | None
+    #: Why the latest scrape failed; None when it succeeded (or none finished yet).
+    error: str | None
+    #: ``clock()`` (seconds) of that failure.
+    error_at: float | None
+    #: Seconds since ``scraped_at`` at snapshot time; None if never scraped.
+    age: float | None
+    #: No signals, or older than STALE_INTERVALS x interval: do not schedule on them.
+    stale: bool
+
+    @property
+    def usable(self) -> EngineSignals | None:
+        """The signals if fresh, else None: what a scheduler should read."""
+        return None if self.stale else self.signals
+
+
+@dataclass(slots=True)
+class _State:
+    url: str
+    signals: EngineSignals | None = None
+    scraped_at: float | None = None
+    error: str | None = None
+    error_at: float | None = None
+    scrapes: int = 0
+    failures: int = 0
+
+
+def metrics_urls(catalog: Catalog) -> dict[EndpointAddress, str]:
+    """The ``/metrics`` URL of every ready endpoint in ``catalog`` (pure), one per address."""
+    urls: dict[EndpointAddress, str] = {}
+    for key in sorted(catalog.worker_sets):
+        for endpoint in catalog.worker_sets[key].endpoints:
+            if endpoint.address in urls:
+                continue
+            host = f"[{endpoint.ip}]" if ":" in endpoint.ip else endpoint.ip
+            port = endpoint.port if endpoint.metrics_port is None else endpoint.metrics_port
+            urls[endpoint.address] = f"http://{host}:{port}/metrics"
+    return urls
+
+
+class EngineScraper:
+    """Scrapes the catalog's endpoints every ``interval`` seconds (each attempt bounded by ``timeout``).
+
+    ``session`` is borrowed if given (not closed), else one is made in :meth:`start` and closed in
+    :meth:`close`. ``clock`` (seconds, monotonic) stamps scrapes and decides staleness.
+    """
+
+    def __init__(
+        self,
+        store: CatalogStore,
+        *,
+        interval: float = 1.0,
+        timeout: float = 0.5,
+        session: aiohttp.ClientSession | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
+    ) -> None:
+        if not interval > 0 or not timeout > 0:
+            raise ValueError(f"interval and timeout must be positive, got {interval} and {timeout}")
+        self._store = store
+        self.interval = interval
+        self.timeout = timeout
+        self._session = session
+        self._own_session = session is None
+        self._clock = clock
+        self._max_bytes = max_response_bytes
+        self._states: dict[EndpointAddress, _State] = {}
+        self._last_log: dict[tuple[EndpointAddress, str], float] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._semaphore = asyncio.Semaphore(MAX_CONCURRENCY)
+        self.rounds = 0
+        self._unsubscribe = store.subscribe(self._follow)
+        self._follow(store.current)
+
+    def start(self) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        self._task = asyncio.create_task(self._run(), name="engine-scraper")
+
+    async def close(self) -> None:
+        self._unsubscribe()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def snapshot(self) -> Mapping[EndpointAddress, EndpointSignals]:
+        """Every endpoint of the current catalog, with staleness judged now."""
+        now = self._clock()
+        limit = STALE_INTERVALS * self.interval
+        result: dict[EndpointAddress, EndpointSignals] = {}
+        for address, state in self._states.items():
+            age = None if state.scraped_at is None else now - state.scraped_at
+            result[address] = EndpointSignals(
+                address=address,
+                url=state.url,
+                signals=state.signals,
+                scraped_at=state.scraped_at,
+                error=state.error,
+                error_at=state.error_at,
+                age=age,
+                stale=age is None or age > limit,
+            )
+        return result
+
+    def debug_state(self) -> dict[str, Any]:
+        endpoints: dict[str, Any] = {}
+        for address, entry in sorted(self.snapshot().items()):
+            state = self._states[address]
+            endpoints[address] = {
+                "url": entry.url,
+                "stale": entry.stale,
+                "ageSeconds": None if entry.age is None else round(entry.age, 3),
+                "error": entry.error,
+                "scrapes": state.scrapes,
+                "failures": state.failures,
+                "signals": None if entry.signals is None else entry.signals.to_debug(),
+            }
+        return {
+            "intervalSeconds": self.interval,
+            "timeoutSeconds": self.timeout,
+            "rounds": self.rounds,
+            "endpoints": endpoints,
+        }
+
+    def _follow(self, catalog: Catalog) -> None:
+        """Catalog changed (called synchronously by the store): add new endpoints, drop gone ones."""
+        urls = metrics_urls(catalog)
+        for address in set(self._states) - set(urls):
+            del self._states[address]
+            for key in [k for k in self._last_log if k[0] == address]:
+                del self._last_log[key]
+        for address, url in urls.items():
+            state = self._states.get(address)
+            if state is None or state.url != url:
+                self._states[address] = _State(url)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                await self.scrape_all()
+            except Exception:
+                # A bug here must not stop later rounds.
+                log.exception("engine scrape round failed")
+            await asyncio.sleep(max(0.0, started + self.interval - loop.time()))
+
+    async def scrape_all(self) -> None:
+        """One round: every current endpoint, concurrently; returns when all have answered or failed."""
+        targets = [(address, state.url) for address, state in self._states.items()]
+        await asyncio.gather(*(self._scrape_one(address, url) for address, url in targets))
+        self.rounds += 1
+
+    async def _scrape_one(self, address: EndpointAddress, url: str) -> None:
+        try:
+            async with self._semaphore:  # the timeout starts once it is our turn
+                async with asyncio.timeout(self.timeout):
+                    body = await self._fetch(url)
+            signals: EngineSignals | None = parse_signals(body)
+            error = None
+        except TimeoutError:
+            signals, error = None, f"no answer within {self.timeout:g}s"
+        except aiohttp.ClientError as exc:
+            signals, error = None, f"{type(exc).__name__}: {exc}"
+        except (ScrapeError, MetricsParseError) as exc:
+            signals, error = None, str(exc)
+        except Exception as exc:  # never let one endpoint end the round
+            signals, error = None, f"unexpected {type(exc).__name__}: {exc}"
+            log.exception("engine scrape failed endpoint=%s", address)
+        now = self._clock()
+        state = self._states.get(address)
+        if state is None or state.url != url:
+            return  # the endpoint left (or moved) while we were asking it
+        state.scrapes += 1
+        if error is None:
+            if state.error is not None:
+                log.info("engine metrics recovered endpoint=%s", address)
+            state.signals, state.scraped_at, state.error, state.error_at = signals, now, None, None
+            return
+        state.failures += 1
+        state.error, state.error_at = error, now
+        self._log_sometimes(address, error.split(":", 1)[0], error)
+
+    async def _fetch(self, url: str) -> bytes:
+        assert self._session is not None, "start() first"
+        async with self._session.get(url, headers={"Accept": "text/plain"}) as resp:
+            if resp.status != 200:
+                raise ScrapeError(f"HTTP {resp.status} from {url}")
+            if resp.content_length is not None and resp.content_length > self._max_bytes:
+                raise ScrapeError(f"response of {resp.content_length} bytes exceeds {self._max_bytes}")
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in resp.content.iter_chunked(64 * 1024):
+                size += len(chunk)
+                if size > self._max_bytes:
+                    raise ScrapeError(f"response exceeds {self._max_bytes} bytes")
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+    def _log_sometimes(self, address: EndpointAddress, kind: str, error: str) -> None:
+        now = self._clock()
+        last = self._last_log.get((address, kind))
+        if last is None or now - last >= LOG_INTERVAL:
+            self._last_log[(address, kind)] = now
+            log.warning("engine metrics scrape failed endpoint=%s error=%s", address, error)

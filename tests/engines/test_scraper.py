@@ -1,0 +1,253 @@
+"""The scraper against real simulated engines (and a few misbehaving servers) on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from extproc.catalog.model import Catalog, Endpoint, ServedModel, WorkerSet
+from extproc.catalog.store import CatalogStore
+from extproc.demo.catalog import LocalWorkerSet
+from extproc.engines.scraper import EndpointSignals, EngineScraper, metrics_urls
+from extproc.sim.engine_core import EngineParams
+from extproc.sim.server import SimServer
+from extproc.sim.settings import SimSettings
+from extproc.types import EndpointAddress, ModelName, WorkerSetKey
+
+from .test_parity import catalog_of
+
+MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
+INTERVAL = 0.05
+
+SMALL_ENGINE = EngineParams(num_gpu_blocks=64, max_model_len=512, max_num_batched_tokens=512)
+
+StartSim = Callable[..., Awaitable[SimServer]]
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:  # noqa: ASYNC109
+    """Poll ``condition`` until true; fail with a TimeoutError after ``timeout`` seconds."""
+    async with asyncio.timeout(timeout):
+        while not condition():  # noqa: ASYNC110 - polls state owned by other tasks
+            await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[StartSim]:
+    started: list[SimServer] = []
+
+    async def start(**fields: Any) -> SimServer:
+        fields.setdefault("time_scale", 0.01)
+        server = SimServer(
+            SimSettings(listen="127.0.0.1:0", engine=SMALL_ENGINE, served_model_names=(MODEL,), **fields)
+        )
+        await server.start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        await server.stop()
+
+
+def publish(store: CatalogStore, *addresses: str) -> None:
+    store.publish(catalog_of([LocalWorkerSet("llama", MODEL, list(addresses))]))
+
+
+@pytest.fixture
+async def scraper() -> AsyncIterator[tuple[CatalogStore, EngineScraper]]:
+    store = CatalogStore()
+    scraper = EngineScraper(store, interval=INTERVAL, timeout=0.5)
+    scraper.start()
+    yield store, scraper
+    await scraper.close()
+
+
+def entry(scraper: EngineScraper, address: str) -> EndpointSignals | None:
+    return scraper.snapshot().get(EndpointAddress(address))
+
+
+async def until(
+    scraper: EngineScraper, address: str, test: Callable[[EndpointSignals], bool]
+) -> EndpointSignals:
+    def ok() -> bool:
+        found = entry(scraper, address)
+        return found is not None and test(found)
+
+    await wait_for(ok, timeout=5.0)
+    found = entry(scraper, address)
+    assert found is not None
+    return found
+
+
+async def test_signals_appear_for_every_endpoint(
+    sim: StartSim, scraper: tuple[CatalogStore, EngineScraper]
+) -> None:
+    """Each ready endpoint gets fresh signals, its DP ranks and served names visible."""
+    store, scraper_ = scraper
+    one, two = await sim(), await sim(data_parallel_size=2)
+    publish(store, one.address, two.address)
+    first = await until(scraper_, one.address, lambda e: e.usable is not None)
+    second = await until(scraper_, two.address, lambda e: e.usable is not None)
+    assert first.signals is not None and second.signals is not None
+    assert first.url == f"http://{one.address}/metrics" and first.error is None
+    assert (first.signals.running, first.signals.waiting, first.signals.kv_cache_usage) == (0, 0, 0.0)
+    assert first.signals.model_names == (MODEL,) and first.signals.engines == ("0",)
+    assert second.signals.engines == ("0", "1") and second.signals.data_parallel_size == 2
+    state = scraper_.debug_state()
+    assert state["endpoints"][one.address]["signals"]["running"] == 0
+    assert state["intervalSeconds"] == INTERVAL
+
+
+async def test_a_running_request_shows_up_and_goes_away(
+    sim: StartSim, scraper: tuple[CatalogStore, EngineScraper]
+) -> None:
+    store, scraper_ = scraper
+    server = await sim(time_scale=1.0)
+    publish(store, server.address)
+    body = {"model": MODEL, "prompt": list(range(100, 164)), "max_tokens": 400, "stream": True}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"http://{server.address}/v1/completions", json=body) as resp,
+    ):
+        await resp.content.readline()
+        busy = await until(scraper_, server.address, lambda e: e.usable is not None and e.usable.running == 1)
+        assert busy.signals is not None and busy.signals.kv_cache_usage is not None
+        assert busy.signals.kv_cache_usage > 0
+    await until(scraper_, server.address, lambda e: e.usable is not None and e.usable.running == 0)
+
+
+async def test_an_endpoint_that_stops_answering_goes_stale_with_a_reason(
+    sim: StartSim, scraper: tuple[CatalogStore, EngineScraper]
+) -> None:
+    """The last good signals are kept for people to read, but marked stale; the error says why."""
+    store, scraper_ = scraper
+    server = await sim()
+    publish(store, server.address)
+    await until(scraper_, server.address, lambda e: e.usable is not None)
+    await server.stop()
+    gone = await until(scraper_, server.address, lambda e: e.stale and e.error is not None)
+    assert gone.usable is None and gone.signals is not None
+    assert gone.error is not None and "Connect" in gone.error
+    assert scraper_.debug_state()["endpoints"][server.address]["failures"] >= 1
+
+
+async def test_an_endpoint_removed_from_the_catalog_disappears(
+    sim: StartSim, scraper: tuple[CatalogStore, EngineScraper]
+) -> None:
+    store, scraper_ = scraper
+    one, two = await sim(), await sim()
+    publish(store, one.address, two.address)
+    await until(scraper_, two.address, lambda e: e.usable is not None)
+    publish(store, one.address)
+    assert set(scraper_.snapshot()) == {one.address}  # at once, not at the next round
+    rounds = scraper_.rounds
+    await wait_for(lambda: scraper_.rounds >= rounds + 2)
+    assert set(scraper_.snapshot()) == {one.address}
+
+
+@pytest.fixture
+async def bad_server() -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """One HTTP server whose /metrics misbehaves as ``mode["kind"]`` says."""
+    mode: dict[str, Any] = {"kind": "garbage"}
+    release = asyncio.Event()
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        kind = mode["kind"]
+        if kind == "garbage":
+            return web.Response(text="<html>hello</html>\n")
+        if kind == "404":
+            return web.Response(status=404, text="no")
+        if kind == "huge":
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            for _ in range(40):  # 40 x 128 KiB, streamed without a Content-Length
+                await resp.write(b"# " + b"x" * (128 * 1024 - 3) + b"\n")
+            return resp
+        await release.wait()  # "hang"
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    yield f"127.0.0.1:{port}", mode
+    release.set()
+    await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [
+        ("garbage", "no vllm:num_requests_running"),
+        ("404", "HTTP 404"),
+        ("huge", "exceeds 1048576 bytes"),
+        ("hang", "no answer within 0.2s"),
+    ],
+)
+async def test_misbehaving_endpoints_are_errors_not_crashes(
+    bad_server: tuple[str, dict[str, Any]], kind: str, reason: str
+) -> None:
+    address, mode = bad_server
+    mode["kind"] = kind
+    store = CatalogStore()
+    publish(store, address)
+    scraper = EngineScraper(store, interval=INTERVAL, timeout=0.2, max_response_bytes=1024 * 1024)
+    scraper.start()
+    try:
+        found = await until(scraper, address, lambda e: e.error is not None)
+        assert found.stale and found.signals is None and found.usable is None
+        assert found.error is not None and reason in found.error
+        rounds = scraper.rounds
+        await wait_for(lambda: scraper.rounds > rounds)  # the task lives on
+    finally:
+        await scraper.close()
+
+
+async def test_borrowed_session_is_not_closed(sim: StartSim) -> None:
+    server = await sim()
+    store = CatalogStore()
+    publish(store, server.address)
+    async with aiohttp.ClientSession() as session:
+        scraper = EngineScraper(store, interval=INTERVAL, session=session)
+        await scraper.scrape_all()  # one round without the task: usable directly
+        found = entry(scraper, server.address)
+        assert found is not None and found.usable is not None
+        await scraper.close()
+        assert not session.closed
+
+
+def test_metrics_urls_use_the_metrics_port_and_bracket_ipv6() -> None:
+    """The metrics port when the catalog names one (else the serving port); IPv6 hosts in brackets."""
+    key = WorkerSetKey("default/llama")
+    endpoints = (
+        Endpoint(EndpointAddress("10.0.0.1:8000"), "10.0.0.1", 8000, key, metrics_port=9090),
+        Endpoint(EndpointAddress("[fd00::1]:8000"), "fd00::1", 8000, key),
+    )
+    ws = WorkerSet(key, "demo", 16, (ServedModel(ModelName(MODEL)),), endpoints)
+    assert metrics_urls(Catalog(worker_sets={key: ws})) == {
+        "10.0.0.1:8000": "http://10.0.0.1:9090/metrics",
+        "[fd00::1]:8000": "http://[fd00::1]:8000/metrics",
+    }
+
+
+def test_stale_is_judged_with_the_injected_clock() -> None:
+    """Signals older than three intervals are stale (clock in seconds)."""
+    now = [100.0]
+    store = CatalogStore()
+    publish(store, "127.0.0.1:9")
+    scraper = EngineScraper(store, interval=1.0, clock=lambda: now[0])
+    (state,) = scraper._states.values()
+    state.signals = None
+    state.scraped_at = 99.0
+    assert not scraper.snapshot()[EndpointAddress("127.0.0.1:9")].stale
+    now[0] = 103.5
+    found = scraper.snapshot()[EndpointAddress("127.0.0.1:9")]
+    assert found.stale and found.age == pytest.approx(4.5)

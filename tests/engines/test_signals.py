@@ -1,0 +1,118 @@
+"""Parsing vLLM's /metrics page into per-endpoint load signals."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+
+from extproc.engines.signals import MetricsParseError, parse_signals
+from extproc.sim.metrics import RankStats, SimMetrics
+
+MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
+
+
+def rank(engine: str, running: int, waiting: int, usage: float, queries: int, hits: int) -> RankStats:
+    return RankStats(engine, running, waiting, usage, queries, hits, 0, queries, 7)
+
+
+def sim_page(*ranks: RankStats) -> bytes:
+    metrics = SimMetrics(model_name=MODEL, stats=lambda: ranks, cache_config={"block_size": "16"})
+    for stats in ranks:  # histograms and counters around ours, as a real page has
+        metrics.observe_first_token(stats.engine, ttft=0.02, queue_time=0.001)
+        metrics.observe_finished(stats.engine, e2e=0.5, finish_reason="length")
+    return generate_latest(metrics.registry)
+
+
+def test_simulator_page_with_two_dp_ranks() -> None:
+    """Counts and counters are summed over ranks, usage is the fullest rank's, ranks are listed."""
+    page = sim_page(rank("0", 2, 1, 0.25, 100, 40), rank("1", 3, 0, 0.5, 60, 20))
+    signals = parse_signals(page)
+    assert (signals.running, signals.waiting, signals.kv_cache_usage) == (5, 1, 0.5)
+    assert (signals.prefix_cache_queries, signals.prefix_cache_hits) == (160.0, 60.0)
+    assert signals.engines == ("0", "1") and signals.data_parallel_size == 2
+    assert signals.model_names == (MODEL,)
+    assert signals.old_names == () and signals.bad_lines == 0
+
+
+def test_idle_single_rank_reports_zeros_not_unknown() -> None:
+    signals = parse_signals(sim_page(rank("0", 0, 0, 0.0, 0, 0)))
+    assert (signals.running, signals.waiting, signals.kv_cache_usage) == (0, 0, 0.0)
+    assert signals.prefix_cache_hits == 0.0 and signals.data_parallel_size == 1
+
+
+OLD_PAGE = r"""# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m\"x\\y"} 4.0
+vllm:num_requests_running{engine="1",model_name="m\"x\\y"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m\"x\\y"} 2.0
+vllm:num_requests_waiting{engine="1",model_name="m\"x\\y"} 0.0
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{engine="0",model_name="m\"x\\y"} 0.75
+vllm:gpu_cache_usage_perc{engine="1",model_name="m\"x\\y"} 0.125
+# TYPE vllm:gpu_prefix_cache_queries counter
+vllm:gpu_prefix_cache_queries_total{engine="0",model_name="m\"x\\y"} 1000.0
+vllm:gpu_prefix_cache_queries_created{engine="0",model_name="m\"x\\y"} 1.7e9
+# TYPE vllm:gpu_prefix_cache_hits counter
+vllm:gpu_prefix_cache_hits_total{engine="0",model_name="m\"x\\y"} 250.0
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m\"x\\y"} 3.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m\"x\\y"} NaN
+"""
+
+
+def test_vllm_0_10_page_falls_back_to_old_names() -> None:
+    """A 0.10-era page (gpu_* names) still gives usage and prefix counters, and says so."""
+    signals = parse_signals(OLD_PAGE)
+    assert (signals.running, signals.waiting, signals.kv_cache_usage) == (5, 2, 0.75)
+    assert (signals.prefix_cache_queries, signals.prefix_cache_hits) == (1000.0, 250.0)
+    assert signals.model_names == ('m"x\\y',) and signals.engines == ("0", "1")
+    assert set(signals.old_names) == {
+        "vllm:gpu_cache_usage_perc",
+        "vllm:gpu_prefix_cache_queries",
+        "vllm:gpu_prefix_cache_hits",
+    }
+    assert signals.bad_lines == 0  # the NaN histogram sum is not one of ours
+
+
+def test_new_names_win_when_both_are_exposed() -> None:
+    """vLLM 0.11 shows both (old behind a flag); the new one is the truth."""
+    page = OLD_PAGE + 'vllm:kv_cache_usage_perc{engine="0"} 0.5\nvllm:prefix_cache_hits_total 9\n'
+    signals = parse_signals(page)
+    assert signals.kv_cache_usage == 0.5 and signals.prefix_cache_hits == 9.0
+    assert signals.old_names == ("vllm:gpu_prefix_cache_queries",)
+
+
+def test_bad_lines_of_ours_are_dropped_and_counted() -> None:
+    """Garbage elsewhere is ignored; a broken or non-finite sample of ours is left out and reported."""
+    page = "\n".join(
+        [
+            "this is not prometheus at all",
+            'vllm:num_requests_running{engine="0"} 3',
+            'vllm:num_requests_running{engine="1"} three',
+            'vllm:num_requests_waiting{engine="0"} +Inf',
+            'vllm:kv_cache_usage_perc{engine="0" 0.2',
+            'vllm:kv_cache_usage_perc{engine="1"} 1.5',
+            "",
+        ]
+    )
+    signals = parse_signals(page)
+    assert signals.running == 3 and signals.waiting is None
+    assert signals.kv_cache_usage == 1.0  # a fraction: clamped
+    assert signals.bad_lines == 3 and signals.first_problem is not None
+    assert signals.first_problem.startswith("line 3:")
+
+
+@pytest.mark.parametrize(
+    "page",
+    [b"", b"<html><body>Not Found</body></html>", b"\xff\xfe\x00garbage", b"vllm:num_requests_running{"],
+    ids=["empty", "html", "binary", "truncated"],
+)
+def test_a_page_without_our_series_is_a_clear_error(page: bytes) -> None:
+    with pytest.raises(MetricsParseError, match="no vllm:num_requests_running"):
+        parse_signals(page)
+
+
+def test_numeric_ranks_sort_numerically() -> None:
+    page = "".join(f'vllm:num_requests_running{{engine="{e}"}} 1\n' for e in ("10", "2", "0", "x"))
+    assert parse_signals(page).engines == ("0", "2", "10", "x")
