@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from extproc.catalog.model import Catalog, Endpoint, Route
 from extproc.errors import BadRequest
-from extproc.kvindex.approx import ApproxPrefixIndex, prompt_text
+from extproc.kvindex.approx import CHARS_PER_TOKEN, ApproxPrefixIndex, prompt_text
 from extproc.kvindex.events import Source
 from extproc.kvindex.index import PrefixIndex
 from extproc.kvindex.keys import block_keys, namespace_seed
@@ -49,7 +49,7 @@ class PrefixMatch:
 
     mode: PrefixMode
     cached_tokens: dict[EndpointAddress, int] = field(default_factory=dict)
-    #: The prompt's length in tokens when it was tokenized (precise mode).
+    #: The prompt's length in tokens: exact in precise mode, estimated from its text otherwise.
     prompt_tokens: int | None = None
     #: Approximate keys to record against the endpoint picked (empty when nothing to learn).
     approx_keys: list[int] = field(default_factory=list)
@@ -100,14 +100,17 @@ class PrefixScorer:
         else:
             rest = list(candidates)
         keys: list[int] = []
+        prompt_tokens = None if tokens is None else len(tokens)
         if rest:
             text = prompt_text(prompt.path, prompt.payload)
             if text is not None:
+                if prompt_tokens is None:
+                    prompt_tokens = len(text) // CHARS_PER_TOKEN
                 keys = self.approx.keys(text, route.upstream_model)
                 mode = "approximate" if mode == "none" else mode
                 cached.update(self.approx.match(keys, [e.address for e in rest]))
         self.counters.lookups[mode] += 1
-        return PrefixMatch(mode, cached, None if tokens is None else len(tokens), keys, ranks)
+        return PrefixMatch(mode, cached, prompt_tokens, keys, ranks)
 
     def record(self, match: PrefixMatch, endpoint: EndpointAddress) -> None:
         """Learn from a decision (approximate mode only: precise mode learns from the engines)."""

@@ -11,9 +11,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from extproc.catalog.model import Catalog, Endpoint, Route
+from extproc.engines.signals import EngineSignals
 from extproc.errors import ModelNotFound, NoReadyEndpoint
 from extproc.scheduling.inflight import InFlight, Lease
 from extproc.scheduling.picker import filter_subset, pick_endpoints
+from extproc.scheduling.policy import CacheThenLoad, Candidate, Policy, RequestFacts
 from extproc.scheduling.prefix import NO_MATCH, PrefixMatch, PrefixScorer, PromptInput
 from extproc.types import EndpointAddress
 
@@ -46,20 +48,29 @@ class Scheduler:
         max_fallbacks: int,
         rng: random.Random | None = None,
         prefix: PrefixScorer | None = None,
+        policy: Policy | None = None,
+        signals: Callable[[EndpointAddress], EngineSignals | None] | None = None,
     ) -> None:
         self._catalog = catalog
         self._inflight = inflight
         self._count = 1 + max_fallbacks
         self._rng = rng or random.Random()
         self._prefix = prefix
+        self.policy: Policy = policy or CacheThenLoad()
+        self._signals = signals or (lambda _address: None)
 
     def schedule(
-        self, model: str | None, subset: frozenset[str] | None = None, *, prompt: PromptInput | None = None
+        self,
+        model: str | None,
+        subset: frozenset[str] | None = None,
+        *,
+        prompt: PromptInput | None = None,
+        max_tokens: int | None = None,
     ) -> Decision:
         """Decide for a request for ``model`` (None: any endpoint of any worker set).
 
-        With ``prompt`` (the request's path and body) and a prefix scorer, endpoints holding more
-        of the prompt in their KV cache come first.
+        With ``prompt`` (the request's path and body) and a prefix scorer, each candidate's cached
+        prefix is looked up; the policy ranks the candidates from that, load and engine signals.
         """
         catalog = self._catalog()
         route: Route | None = None
@@ -78,15 +89,25 @@ class Scheduler:
             candidates = filter_subset(candidates, subset)
             if not candidates:
                 raise NoReadyEndpoint(f"no endpoint in the gateway's subset hint serves {wanted}")
+        if route is None:
+            picked = pick_endpoints(candidates, self._inflight.count, self._rng, count=self._count)
+            return Decision(route=None, endpoints=tuple(picked))
         match = NO_MATCH
-        if prompt is not None and route is not None and self._prefix is not None:
+        if prompt is not None and self._prefix is not None:
             match = self._prefix.match(catalog, route, prompt, candidates)
-        picked = pick_endpoints(
-            candidates, self._inflight.count, self._rng, count=self._count, cached=match.cached_tokens
-        )
+        facts = RequestFacts(route.upstream_model, match.prompt_tokens, max_tokens)
+        ranked = self.policy.rank(facts, self._candidates(candidates, match), self._rng)
+        picked = [c.endpoint for c in ranked[: self._count]]
         if self._prefix is not None and match is not NO_MATCH:
             self._prefix.record(match, picked[0].address)
         return Decision(route=route, endpoints=tuple(picked), prefix=match)
+
+    def _candidates(self, endpoints: Sequence[Endpoint], match: PrefixMatch) -> list[Candidate]:
+        count, cached = self._inflight.count, match.cached_tokens
+        return [
+            Candidate(e, count(e.address), cached.get(e.address, 0), self._signals(e.address))
+            for e in endpoints
+        ]
 
     def acquire(self, address: EndpointAddress) -> Lease:
         """Count a request against the endpoint it was sent to until the lease is released."""

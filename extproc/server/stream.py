@@ -47,7 +47,12 @@ class Router(Protocol):
     """What a stream needs from the routing side (defined here, by its consumer)."""
 
     def schedule(
-        self, model: str | None, subset: frozenset[str] | None = None, *, prompt: PromptInput | None = None
+        self,
+        model: str | None,
+        subset: frozenset[str] | None = None,
+        *,
+        prompt: PromptInput | None = None,
+        max_tokens: int | None = None,
     ) -> Decision: ...
 
     def acquire(self, address: EndpointAddress) -> Lease: ...
@@ -157,7 +162,9 @@ class RequestStream:
         self._metrics.body_bytes.observe(len(body))
         parsed = parse_request(body)
         path = self._headers.get(":path", "").split("?", 1)[0].rstrip("/")
-        decision = self._router.schedule(parsed.model, self._subset, prompt=PromptInput(path, parsed.payload))
+        decision = self._router.schedule(
+            parsed.model, self._subset, prompt=PromptInput(path, parsed.payload), max_tokens=parsed.max_tokens
+        )
         route = decision.route
         rewritten: bytes | None = None
         if route is not None and route.is_alias:

@@ -15,7 +15,7 @@ import pytest
 from catalog.test_build import build, eps, iws, svc
 
 from extproc.catalog.model import Catalog, Route
-from extproc.kvindex.approx import CHARS_PER_BLOCK, CHARS_PER_TOKEN, ApproxPrefixIndex
+from extproc.kvindex.approx import CHARS_PER_BLOCK, CHARS_PER_TOKEN, ApproxPrefixIndex, prompt_text
 from extproc.kvindex.events import Source
 from extproc.kvindex.follow import plan_sources
 from extproc.kvindex.index import PrefixIndex
@@ -83,6 +83,13 @@ def engine_tokens(path: str, payload: dict[str, Any]) -> list[int]:
         payload["messages"], bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token
     )
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def estimated_tokens(path: str, payload: dict[str, Any]) -> int:
+    """Without token ids, the prompt's length is estimated at ~4 characters a token."""
+    text = prompt_text(path, payload)
+    assert text is not None
+    return len(text) // CHARS_PER_TOKEN
 
 
 class Router:
@@ -177,7 +184,7 @@ def test_untokenizable_request_falls_back_to_approximate() -> None:
     payload = {"messages": [{"role": "wizard", "content": LONG}]}
     router.feed(KV1, engine_tokens(COMPLETIONS, {"prompt": LONG}), 5)
     first = router.match(LLAMA, CHAT, payload)
-    assert first.mode == "approximate" and first.prompt_tokens is None
+    assert first.mode == "approximate" and first.prompt_tokens == estimated_tokens(CHAT, payload)
     assert first.cached_tokens == {KV1: 0, KV2: 0, BIG: 0, PLAIN: 0}
     assert first.approx_keys
     router.scorer.record(first, KV2)
@@ -224,7 +231,7 @@ def test_endpoints_without_kv_events_are_matched_approximately() -> None:
     path, payload = PROMPTS[0]
     router.feed(KV1, engine_tokens(path, payload), 3)
     only_plain = router.match(LLAMA, path, payload, only=[PLAIN])
-    assert only_plain.mode == "approximate" and only_plain.prompt_tokens is None
+    assert only_plain.mode == "approximate" and only_plain.prompt_tokens == estimated_tokens(path, payload)
     assert only_plain.cached_tokens == {PLAIN: 0}
     router.scorer.record(only_plain, PLAIN)
     mixed = router.match(LLAMA, path, payload)
@@ -243,7 +250,7 @@ def test_model_blocked_by_tokenizer_parity_is_matched_approximately(
     router = Router(blocked=frozenset({LLAMA}))
     router.feed(KV1, engine_tokens(path, payload), 5)
     match = router.match(LLAMA, path, payload)
-    assert match.mode == "approximate" and match.prompt_tokens is None
+    assert match.mode == "approximate" and match.prompt_tokens == estimated_tokens(path, payload)
     assert match.cached_tokens == {KV1: 0, KV2: 0, BIG: 0, PLAIN: 0}
     assert router.scorer.counters.tokenize_errors == 0
 

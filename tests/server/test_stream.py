@@ -352,7 +352,12 @@ class _RankedRouter:
         self.rank = rank
 
     def schedule(
-        self, model: str | None, subset: frozenset[str] | None = None, *, prompt: object = None
+        self,
+        model: str | None,
+        subset: frozenset[str] | None = None,
+        *,
+        prompt: object = None,
+        max_tokens: object = None,
     ) -> Decision:
         route = _catalog().resolve("llama-3-8b")
         assert route is not None
