@@ -19,7 +19,7 @@ import uvloop
 
 from extproc import __version__
 from extproc.errors import ConfigError, ExtprocError
-from extproc.settings import PrefixSettings, ServeSettings, SourceSettings
+from extproc.settings import POLICIES, PrefixSettings, ServeSettings, SourceSettings
 from extproc.telemetry import configure_logging
 from extproc.tokenize.registry import TokenizerSpec
 
@@ -55,6 +55,18 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--drain-seconds", type=float, default=5.0, help="grace for open streams on stop (5)")
     p.add_argument("--seed", type=int, default=None, help="seed tie-breaking randomness (for tests)")
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="cache-then-load",
+        help="how endpoints are ranked (cache-then-load: most cached prompt tokens, then fewest in flight)",
+    )
+    p.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=1.0,
+        help="seconds between scrapes of each endpoint's /metrics (vLLM names); 0 = off (1)",
+    )
     g = p.add_argument_group("prefix-cache-aware routing")
     g.add_argument(
         "--tokenizer",
@@ -97,6 +109,8 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
         drain_seconds=args.drain_seconds,
         seed=args.seed,
         prefix=_prefix_settings(args),
+        policy=args.policy,
+        scrape_interval=args.scrape_interval,
     )
 
 

@@ -50,6 +50,10 @@ class SourceSettings:
         return cls(kind=kind, path=Path(rest), poll_interval=poll_interval)
 
 
+#: Names ``--policy`` accepts (see :mod:`extproc.scheduling.policy`).
+POLICIES = ("cache-then-load", "least-in-flight")
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixSettings:
     """Prefix-cache-aware routing: tokenizers per model and the bounds of the indexes."""
@@ -100,6 +104,11 @@ class ServeSettings:
     #: Seconds to let in-flight streams finish on shutdown.
     drain_seconds: float = 5.0
     prefix: PrefixSettings = field(default_factory=PrefixSettings)
+    #: How endpoints are ranked: ``cache-then-load`` (most cached prompt tokens, then fewest in
+    #: flight) or ``least-in-flight``.
+    policy: str = "cache-then-load"
+    #: Seconds between scrapes of every endpoint's Prometheus metrics; 0 turns scraping off.
+    scrape_interval: float = 1.0
 
     def __post_init__(self) -> None:
         parse_host_port(self.listen, what="--listen")
@@ -115,3 +124,9 @@ class ServeSettings:
             raise ConfigError(f"--max-fallbacks must be 0 or more, got {self.max_fallbacks}")
         if self.drain_seconds < 0:
             raise ConfigError(f"--drain-seconds must be 0 or more, got {self.drain_seconds}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.scrape_interval < 0:
+            raise ConfigError(
+                f"--scrape-interval must be 0 (off) or more seconds, got {self.scrape_interval}"
+            )

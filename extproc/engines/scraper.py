@@ -139,6 +139,15 @@ class EngineScraper:
             await self._session.close()
             self._session = None
 
+    def usable(self, address: EndpointAddress) -> EngineSignals | None:
+        """One endpoint's signals if fresh, else None: the scheduler's per-candidate read (no copies)."""
+        state = self._states.get(address)
+        if state is None or state.scraped_at is None:
+            return None
+        if self._clock() - state.scraped_at > STALE_INTERVALS * self.interval:
+            return None
+        return state.signals
+
     def snapshot(self) -> Mapping[EndpointAddress, EndpointSignals]:
         """Every endpoint of the current catalog, with staleness judged now."""
         now = self._clock()

@@ -20,9 +20,11 @@ from grpc_health.v1 import health_pb2_grpc
 from extproc import __version__
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
+from extproc.engines.scraper import EngineScraper
 from extproc.errors import ConfigError
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.policy import make_policy
 from extproc.scheduling.scheduler import Scheduler
 from extproc.server.admin import admin_app
 from extproc.server.budget import BodyBudget
@@ -51,12 +53,15 @@ class Server:
         self.metrics = Metrics()
         self.source = FileSource(settings.source, on_reload=self._count_reload)
         self.prefix = PrefixRouting(settings.prefix, self.store)
+        self.scraper = EngineScraper(self.store, interval=settings.scrape_interval or 1.0)
         self.scheduler = Scheduler(
             lambda: self.store.current,
             self.inflight,
             max_fallbacks=settings.max_fallbacks,
             rng=random.Random(settings.seed),
             prefix=self.prefix.scorer,
+            policy=make_policy(settings.policy),
+            signals=self.scraper.usable if settings.scrape_interval > 0 else None,
         )
         self.budget = BodyBudget(settings.max_buffered_bytes)
         self.metrics.watch_state(catalog=lambda: self.store.current, inflight=self.inflight.snapshot)
@@ -80,6 +85,8 @@ class Server:
             raise
         self._watch = asyncio.create_task(self.source.watch(self._publish), name="catalog-source")
         self.prefix.start()
+        if self.settings.scrape_interval > 0:
+            self.scraper.start()
         catalog = self.store.current
         log.info(
             "serving grpc=%s:%d admin=%s:%d worker_sets=%d models=%d",
@@ -158,6 +165,8 @@ class Server:
             "catalog": self.store.current.to_debug(),
             "inflight": dict(sorted(self.inflight.snapshot().items())),
             "prefix": self.prefix.debug_state(),
+            "policy": self.scheduler.policy.name,
+            "engines": self.scraper.debug_state() if self.settings.scrape_interval > 0 else {},
         }
 
     async def stop(self) -> None:
@@ -171,6 +180,7 @@ class Server:
         if self._admin is not None:
             await self._admin.cleanup()
         await self.prefix.close()
+        await self.scraper.close()
 
     async def __aenter__(self) -> Server:
         await self.start()
