@@ -67,6 +67,11 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         default=1.0,
         help="seconds between scrapes of each endpoint's /metrics (vLLM names); 0 = off (1)",
     )
+    p.add_argument(
+        "--decision-headers",
+        action="store_true",
+        help="add x-extproc-endpoint / -cached-tokens / -prefix-mode ... to responses (names pods; off)",
+    )
     g = p.add_argument_group("prefix-cache-aware routing")
     g.add_argument(
         "--tokenizer",
@@ -111,6 +116,7 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
         prefix=_prefix_settings(args),
         policy=args.policy,
         scrape_interval=args.scrape_interval,
+        decision_headers=args.decision_headers,
     )
 
 

@@ -109,6 +109,9 @@ class ServeSettings:
     policy: str = "cache-then-load"
     #: Seconds between scrapes of every endpoint's Prometheus metrics; 0 turns scraping off.
     scrape_interval: float = 1.0
+    #: Add ``x-extproc-*`` headers describing the decision to client responses. Off by default:
+    #: they name pod addresses.
+    decision_headers: bool = False
 
     def __post_init__(self) -> None:
         parse_host_port(self.listen, what="--listen")

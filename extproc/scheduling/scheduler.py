@@ -7,8 +7,8 @@ awaits in the middle of a decision, so a decision always sees one consistent cat
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from extproc.catalog.model import Catalog, Endpoint, Route
 from extproc.engines.signals import EngineSignals
@@ -30,6 +30,8 @@ class Decision:
     endpoints: tuple[Endpoint, ...]
     #: How the prompt was matched against caches, and what the pick already holds.
     prefix: PrefixMatch = NO_MATCH
+    #: The policy's account of the pick (e.g. predicted TTFT), as response-header name -> value.
+    notes: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def destination(self) -> str:

@@ -128,7 +128,11 @@ class Server:
         )
         ep_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessorService(
-                self.scheduler, self.metrics, max_body_bytes=self.settings.max_body_bytes, budget=self.budget
+                self.scheduler,
+                self.metrics,
+                max_body_bytes=self.settings.max_body_bytes,
+                budget=self.budget,
+                decision_headers=self.settings.decision_headers,
             ),
             server,
         )

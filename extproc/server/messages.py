@@ -91,6 +91,18 @@ def routed_body_response(
     return response
 
 
+def response_headers_response(headers: dict[str, str]) -> ep.ProcessingResponse:
+    """Answer ``response_headers`` by adding ``headers`` to what the client receives."""
+    response = ep.ProcessingResponse()
+    mutation = response.response_headers.response.header_mutation
+    for key, value in headers.items():
+        option = mutation.set_headers.add()
+        option.header.key = key
+        option.header.raw_value = value.encode()
+        option.append_action = _OVERWRITE
+    return response
+
+
 def acknowledge(kind: str) -> ep.ProcessingResponse:
     """An empty answer (carry on unchanged) to the message of ``kind``.
 

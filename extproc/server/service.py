@@ -23,11 +23,20 @@ log = logging.getLogger(__name__)
 class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
     """One RequestStream per ext_proc stream; a failure in one never touches another."""
 
-    def __init__(self, router: Router, metrics: Metrics, *, max_body_bytes: int, budget: BodyBudget) -> None:
+    def __init__(
+        self,
+        router: Router,
+        metrics: Metrics,
+        *,
+        max_body_bytes: int,
+        budget: BodyBudget,
+        decision_headers: bool = False,
+    ) -> None:
         self._router = router
         self._metrics = metrics
         self._max_body = max_body_bytes
         self._budget = budget
+        self._decision_headers = decision_headers
 
     async def Process(
         self,
@@ -35,7 +44,11 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
         context: grpc.aio.ServicerContext[ep.ProcessingRequest, ep.ProcessingResponse],
     ) -> AsyncIterator[ep.ProcessingResponse]:
         stream = RequestStream(
-            self._router, self._metrics, max_body_bytes=self._max_body, budget=self._budget
+            self._router,
+            self._metrics,
+            max_body_bytes=self._max_body,
+            budget=self._budget,
+            decision_headers=self._decision_headers,
         )
         self._metrics.streams.inc()
         try:

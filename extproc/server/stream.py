@@ -63,11 +63,22 @@ class Router(Protocol):
 class RequestStream:
     """State of one ext_proc stream."""
 
-    def __init__(self, router: Router, metrics: Metrics, *, max_body_bytes: int, budget: BodyBudget) -> None:
+    def __init__(
+        self,
+        router: Router,
+        metrics: Metrics,
+        *,
+        max_body_bytes: int,
+        budget: BodyBudget,
+        decision_headers: bool = False,
+    ) -> None:
         self._router = router
         self._metrics = metrics
         self._max_body = max_body_bytes
         self._budget = budget
+        #: Headers describing our decision, added to the client's response (opt-in), once routed.
+        self._explain = decision_headers
+        self._explanation: dict[str, str] | None = None
         self._full_duplex = False
         self._headers: dict[str, str] = {}
         self._subset: frozenset[str] | None = None
@@ -199,6 +210,8 @@ class RequestStream:
             # BUFFERED keeps Content-Length; it must describe the rewritten body.
             extra["content-length"] = str(len(body))
         destination = decision.destination
+        if self._explain:
+            self._explanation = explain(decision)
         if phase == "headers":
             response = messages.routed_headers_response(destination, extra=extra)
         else:
@@ -216,6 +229,8 @@ class RequestStream:
     # -- response path ------------------------------------------------------------------------
 
     def _on_response(self, kind: str | None) -> Responses:
+        if kind == "response_headers" and self._explanation:
+            return [messages.response_headers_response(self._explanation)]
         if kind in ("response_headers", "response_body", "response_trailers"):
             return [messages.acknowledge(kind)]
         log.warning("unexpected ext_proc message request_id=%s kind=%s", self.request_id, kind)
@@ -239,3 +254,18 @@ class RequestStream:
             error.message,
         )
         return [messages.error_response(error)]
+
+
+def explain(decision: Decision) -> dict[str, str]:
+    """``--decision-headers``: what was picked and why, for the client's response (opt-in: it names pods)."""
+    pick = decision.endpoints[0].address
+    prefix = decision.prefix
+    headers = {
+        "x-extproc-endpoint": pick,
+        "x-extproc-prefix-mode": prefix.mode,
+        "x-extproc-cached-tokens": str(prefix.cached_tokens.get(pick, 0)),
+    }
+    if prefix.prompt_tokens is not None:
+        headers["x-extproc-prompt-tokens"] = str(prefix.prompt_tokens)
+    headers.update(decision.notes)
+    return headers

@@ -381,3 +381,32 @@ def test_data_parallel_rank_header_names_the_rank_holding_the_prefix(
     s.handle(headers())
     [answer] = s.handle(body(chat("llama-3-8b")))
     assert set_headers(answer.request_body.response).get("x-data-parallel-rank") == expected
+
+
+def _response_headers() -> ep.ProcessingRequest:
+    request = ep.ProcessingRequest()
+    h = request.response_headers.headers.headers.add()
+    h.key, h.raw_value = ":status", b"200"
+    return request
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["opted-in", "default"])
+def test_decision_headers_reach_the_client_only_when_asked(enabled: bool) -> None:
+    """--decision-headers adds the pick, prefix mode and cached tokens to the response; off by default."""
+    router = _RankedRouter(None)
+    s = RequestStream(
+        router, Metrics(), max_body_bytes=1 << 20, budget=BodyBudget(1 << 30), decision_headers=enabled
+    )
+    s.handle(headers())
+    s.handle(body(chat("llama-3-8b")))
+    [answer] = s.handle(_response_headers())
+    added = set_headers(answer.response_headers.response)
+    if enabled:
+        assert added == {
+            "x-extproc-endpoint": "127.0.0.1:8000",
+            "x-extproc-prefix-mode": "precise",
+            "x-extproc-cached-tokens": "48",
+            "x-extproc-prompt-tokens": "60",
+        }
+    else:
+        assert added == {}
