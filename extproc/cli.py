@@ -59,7 +59,14 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--policy",
         choices=POLICIES,
         default="cache-then-load",
-        help="how endpoints are ranked (cache-then-load: most cached prompt tokens, then fewest in flight)",
+        help="how endpoints are ranked: cache-then-load (most cached prompt tokens, then fewest in flight), "
+        "least-in-flight, predicted-ttft (latency profiles; see --profiles)",
+    )
+    p.add_argument(
+        "--profiles",
+        type=Path,
+        default=None,
+        help="latency profiles (YAML, re-read when it changes) for --policy predicted-ttft",
     )
     p.add_argument(
         "--scrape-interval",
@@ -115,6 +122,7 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
         seed=args.seed,
         prefix=_prefix_settings(args),
         policy=args.policy,
+        profiles=args.profiles,
         scrape_interval=args.scrape_interval,
         decision_headers=args.decision_headers,
     )

@@ -51,7 +51,7 @@ class SourceSettings:
 
 
 #: Names ``--policy`` accepts (see :mod:`extproc.scheduling.policy`).
-POLICIES = ("cache-then-load", "least-in-flight")
+POLICIES = ("cache-then-load", "least-in-flight", "predicted-ttft")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +105,11 @@ class ServeSettings:
     drain_seconds: float = 5.0
     prefix: PrefixSettings = field(default_factory=PrefixSettings)
     #: How endpoints are ranked: ``cache-then-load`` (most cached prompt tokens, then fewest in
-    #: flight) or ``least-in-flight``.
+    #: flight), ``least-in-flight``, or ``predicted-ttft`` (lowest predicted time to first token from
+    #: the worker set's latency profile, cached prefix, signals and load; sheds with 429).
     policy: str = "cache-then-load"
+    #: The latency profiles file (YAML, hot-reloaded); None = the built-in ``default`` profile only.
+    profiles: Path | None = None
     #: Seconds between scrapes of every endpoint's Prometheus metrics; 0 turns scraping off.
     scrape_interval: float = 1.0
     #: Add ``x-extproc-*`` headers describing the decision to client responses. Off by default:

@@ -76,6 +76,25 @@ class Metrics:
         self.registry.register(_StateCollector(catalog, inflight))
 
 
+class UnknownProfileCollector(Collector):
+    """Worker sets naming a latency profile the profiles file does not define (routed with the default)."""
+
+    def __init__(self, catalog: Callable[[], Catalog], is_known: Callable[[str], bool]) -> None:
+        self._catalog = catalog
+        self._is_known = is_known
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily(
+            "extproc_worker_set_unknown_profile",
+            "1 for each worker set whose spec.profile is not in the profiles file (the default is used).",
+            labels=["worker_set", "profile"],
+        )
+        for key, ws in sorted(self._catalog().worker_sets.items()):
+            if not self._is_known(ws.profile):
+                family.add_metric([key, ws.profile], 1)
+        yield family
+
+
 class _StateCollector(Collector):
     def __init__(
         self, catalog: Callable[[], Catalog], inflight: Callable[[], Mapping[EndpointAddress, int]]

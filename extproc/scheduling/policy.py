@@ -75,9 +75,3 @@ class LeastInFlight:
         self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random
     ) -> list[Candidate]:
         return sorted(candidates, key=lambda c: (c.in_flight, rng.random()))
-
-
-def make_policy(name: str) -> Policy:
-    """The policy ``--policy NAME`` selects (names checked by the settings)."""
-    policies: dict[str, Policy] = {p.name: p for p in (CacheThenLoad(), LeastInFlight())}
-    return policies[name]

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 from extproc.catalog.model import Catalog, Endpoint, Route
 from extproc.engines.signals import EngineSignals
-from extproc.errors import ModelNotFound, NoReadyEndpoint
+from extproc.errors import ModelNotFound, NoReadyEndpoint, Overloaded
 from extproc.scheduling.inflight import InFlight, Lease
 from extproc.scheduling.picker import filter_subset, pick_endpoints
 from extproc.scheduling.policy import CacheThenLoad, Candidate, Policy, RequestFacts
+from extproc.scheduling.predictor import PredictedTTFT
 from extproc.scheduling.prefix import NO_MATCH, PrefixMatch, PrefixScorer, PromptInput
 from extproc.types import EndpointAddress
 
@@ -98,11 +99,22 @@ class Scheduler:
         if prompt is not None and self._prefix is not None:
             match = self._prefix.match(catalog, route, prompt, candidates)
         facts = RequestFacts(route.upstream_model, match.prompt_tokens, max_tokens)
-        ranked = self.policy.rank(facts, self._candidates(candidates, match), self._rng)
+        notes: dict[str, str] = {}
+        if isinstance(self.policy, PredictedTTFT):
+            ranking = self.policy.evaluate(facts, self._candidates(candidates, match), self._rng)
+            if ranking.shed:
+                raise Overloaded(
+                    f"every endpoint serving model '{model}' is saturated (running batch and queue limit "
+                    "full); retry shortly"
+                )
+            ranked = ranking.candidates
+            notes["x-extproc-predicted-ttft-ms"] = f"{ranking.predictions[0].ttft_s * 1000:.1f}"
+        else:
+            ranked = self.policy.rank(facts, self._candidates(candidates, match), self._rng)
         picked = [c.endpoint for c in ranked[: self._count]]
         if self._prefix is not None and match is not NO_MATCH:
             self._prefix.record(match, picked[0].address)
-        return Decision(route=route, endpoints=tuple(picked), prefix=match)
+        return Decision(route=route, endpoints=tuple(picked), prefix=match, notes=notes)
 
     def _candidates(self, endpoints: Sequence[Endpoint], match: PrefixMatch) -> list[Candidate]:
         count, cached = self._inflight.count, match.cached_tokens

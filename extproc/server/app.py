@@ -24,7 +24,9 @@ from extproc.engines.scraper import EngineScraper
 from extproc.errors import ConfigError
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.policy import make_policy
+from extproc.scheduling.policy import CacheThenLoad, LeastInFlight, Policy
+from extproc.scheduling.predictor import PredictedTTFT
+from extproc.scheduling.profiles import ProfileStore, profile_lookup
 from extproc.scheduling.scheduler import Scheduler
 from extproc.server.admin import admin_app
 from extproc.server.budget import BodyBudget
@@ -33,7 +35,7 @@ from extproc.server.prefix_routing import PrefixRouting
 from extproc.server.service import ExternalProcessorService
 from extproc.settings import ServeSettings, parse_host_port
 from extproc.sources.file import FileSource, ReloadOutcome
-from extproc.telemetry import Metrics
+from extproc.telemetry import Metrics, UnknownProfileCollector
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +56,15 @@ class Server:
         self.source = FileSource(settings.source, on_reload=self._count_reload)
         self.prefix = PrefixRouting(settings.prefix, self.store)
         self.scraper = EngineScraper(self.store, interval=settings.scrape_interval or 1.0)
+        self.profiles = ProfileStore(settings.profiles)
+        self.profiles.load()
         self.scheduler = Scheduler(
             lambda: self.store.current,
             self.inflight,
             max_fallbacks=settings.max_fallbacks,
             rng=random.Random(settings.seed),
             prefix=self.prefix.scorer,
-            policy=make_policy(settings.policy),
+            policy=self._policy(settings.policy),
             signals=self.scraper.usable if settings.scrape_interval > 0 else None,
         )
         self.budget = BodyBudget(settings.max_buffered_bytes)
@@ -72,6 +76,7 @@ class Server:
         self._grpc: grpc.aio.Server | None = None
         self._admin: web.AppRunner | None = None
         self._watch: asyncio.Task[None] | None = None
+        self._profile_poll: asyncio.Task[None] | None = None
         self._started = time.time()
 
     async def start(self) -> None:
@@ -87,6 +92,8 @@ class Server:
         self.prefix.start()
         if self.settings.scrape_interval > 0:
             self.scraper.start()
+        if self.settings.profiles is not None:
+            self._profile_poll = asyncio.create_task(self._poll_profiles(), name="profiles")
         catalog = self.store.current
         log.info(
             "serving grpc=%s:%d admin=%s:%d worker_sets=%d models=%d",
@@ -97,6 +104,23 @@ class Server:
             len(catalog.worker_sets),
             len(catalog.routes),
         )
+
+    def _policy(self, name: str) -> Policy:
+        if name == "least-in-flight":
+            return LeastInFlight()
+        if name == "predicted-ttft":
+            self.metrics.registry.register(
+                UnknownProfileCollector(lambda: self.store.current, lambda p: self.profiles.resolve(p)[1])
+            )
+            return PredictedTTFT(profile_lookup(self.profiles, lambda: self.store.current))
+        return CacheThenLoad()
+
+    async def _poll_profiles(self) -> None:
+        """Hot reload: an edit of the profiles file takes effect within a second."""
+        while True:
+            await asyncio.sleep(1.0)
+            if await asyncio.to_thread(self.profiles.poll):
+                log.info("profiles reloaded names=%s", ",".join(sorted(self.profiles.profiles)))
 
     def _count_reload(self, outcome: ReloadOutcome) -> None:
         if outcome != "unchanged":
@@ -170,15 +194,21 @@ class Server:
             "inflight": dict(sorted(self.inflight.snapshot().items())),
             "prefix": self.prefix.debug_state(),
             "policy": self.scheduler.policy.name,
+            "profiles": {
+                "file": None if self.settings.profiles is None else str(self.settings.profiles),
+                "error": self.profiles.error,
+                "profiles": {name: p.to_debug() for name, p in sorted(self.profiles.profiles.items())},
+            },
             "engines": self.scraper.debug_state() if self.settings.scrape_interval > 0 else {},
         }
 
     async def stop(self) -> None:
         """Stop taking streams, let open ones finish for ``drain_seconds``, then close."""
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+        for task in (self._watch, self._profile_poll):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._grpc is not None:
             await self._grpc.stop(grace=self.settings.drain_seconds)
         if self._admin is not None:

@@ -1,0 +1,191 @@
+"""Predicted time to first token per candidate, and the policy that ranks by it.
+
+The model is the simulator's (:mod:`extproc.sim.engine_core`) seen from outside: a profile
+(:mod:`extproc.scheduling.profiles`) gives the step cost and budgets, the candidate gives the load
+and the cached prefix. All times are seconds, token counts tokens. Notation, per engine (a pod with
+``d`` data-parallel ranks, known from its signals' ``engine`` labels, splits its counts evenly over
+them: a request lands on one rank):
+
+* ``S`` = ``max_num_seqs``, ``B`` = ``max_num_batched_tokens``, ``rate`` = ``prefill_tokens_per_s``,
+  ``T`` = ``typical_prompt_tokens``, ``O`` = ``typical_output_tokens``,
+  ``step(n) = (decode_base_ms + decode_per_seq_ms x min(n, S)) / 1000``.
+* **Load**: ``r0, w0`` = the engine's scraped running and waiting (0 without fresh signals; the
+  scheduler passes None for stale ones), ``load = max(in_flight, r0 + w0)``. The ``new = load - r0 -
+  w0`` requests our own accounting knows but the last scrape did not show arrived since it, so they
+  are assumed to still need a prefill of ``T`` tokens; they take free seats (``S - r0``) unless the
+  engine already reports a queue, the rest wait. Running ``R = r0 + seated``, waiting ahead
+  ``W = w0 + new - seated``; decoding ``D = min(r0, S)`` (scraped running requests are assumed past
+  their prefill).
+* **Uncached prompt**: ``U = max(0, prompt_tokens - cached_tokens)`` (prompt unknown: ``T``, the
+  profile's typical prompt, 512 tokens by default). An engine always computes at least one token, so
+  prefill work uses ``max(U, 1)``.
+* **Seat wait**: we need ``k = max(0, R + W + 1 - S)`` seats to free up. Each running request
+  holds its seat ``O`` decode steps, so with a full batch a seat frees every ``O x step(S) / S``:
+  ``wait = k x O x step(S) / S``.
+* **Prefill ahead and our own** (FCFS, chunked): ``A = (W + seated) x T`` tokens of other
+  prefills are ahead of ours. The step budget left after the ``D`` decodes is ``chunk = max(1, B -
+  D)``, so ``X = A + max(U, 1)`` tokens take ``ceil(X / chunk)`` steps, each carrying the decodes:
+  ``prefill = X / rate + ceil(X / chunk) x step(D)``.
+* **Residual**: a busy engine (``load > 0``) is mid-step when we arrive: ``step(D) / 2`` on average.
+
+``TTFT = residual + wait + prefill``. For an idle engine that is exactly the simulator's
+``ceil(U / B) x decode_base + U / rate``; with ``N`` decodes running (and seen by the scrape) it is
+``step(N) / 2 + U / rate + ceil(U / (B - N)) x step(N)``, again the simulator's for an arrival
+mid-step.
+
+**Saturation**: with a ``queue_limit`` ``L``, an endpoint is saturated when ``load >= d x S + L``
+(its queue already holds ``L`` requests: ours would be beyond the limit). Saturated candidates rank
+last; when all are saturated the request should be shed (429): :attr:`Ranking.shed`.
+
+**Affinity yields to load by construction**: a cached prefix only shrinks ``U``; every request
+queued or prefilling ahead adds ``T / rate`` plus its share of steps, and every queued request past
+the batch cap adds ``O x step(S) / S`` more, so once a prefix holder's queue costs more than the
+cold pods' full prefill, a cold pod ranks first.
+
+**Ties**: predictions within ``max(5 %, 1 ms)`` of the best remaining one form a group shuffled
+with ``rng`` (seeded: reproducible); the prediction error is larger than that.
+
+Approximations (documented, deliberate): requests ahead have a typical prompt, fully uncached;
+requests seen by our accounting but not by the scrape are assumed still in prefill (over-estimates
+load right after a burst, which spreads bursts); running requests in the scrape are assumed decoding;
+a queue caused by a full KV cache (waiting with free seats) is only charged its prefill work; the
+attention cost of long contexts is not modelled (nor by the simulator).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from extproc.catalog.model import Endpoint
+from extproc.scheduling.policy import Candidate, RequestFacts
+from extproc.scheduling.profiles import Profile
+
+#: Predictions within this fraction of the best remaining one are ties.
+TIE_RELATIVE = 0.05
+#: ... or within this many seconds.
+TIE_ABSOLUTE_S = 0.001
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """One candidate's predicted time to first token and what it came from."""
+
+    #: Predicted seconds from now to the first token.
+    ttft_s: float
+    #: Prompt tokens the candidate would compute for this request (``prompt - cached``, >= 0).
+    uncached_tokens: int
+    #: ``max(in_flight, running + waiting)``: requests the endpoint holds, all ranks.
+    load: int
+    #: The endpoint's queue is at its profile's ``queue_limit``.
+    saturated: bool
+
+
+def effective_cached_tokens(gpu_tokens: int, lower_tokens: int, profile: Profile) -> int:
+    """Cached tokens a policy should count: GPU hits, plus lower-tier hits at their weight.
+
+    ``gpu_tokens + floor(lower_tier_hit_weight x lower_tokens)``, where ``lower_tokens`` are the
+    prefix tokens found only in a lower tier (CPU, storage) right after the GPU hit.
+    """
+    return max(0, gpu_tokens) + math.floor(profile.lower_tier_hit_weight * max(0, lower_tokens))
+
+
+def predict(request: RequestFacts, candidate: Candidate, profile: Profile) -> Prediction:
+    """Predict ``candidate``'s TTFT for ``request`` (formulas in the module docstring)."""
+    p = profile
+    prompt = request.prompt_tokens if request.prompt_tokens is not None else p.typical_prompt_tokens
+    uncached = max(0, prompt - max(0, candidate.cached_tokens))
+    signals = candidate.signals
+    r0 = w0 = 0
+    ranks = 1
+    if signals is not None:
+        r0 = max(0, signals.running or 0)
+        w0 = max(0, signals.waiting or 0)
+        ranks = signals.data_parallel_size
+    load = max(candidate.in_flight, r0 + w0)
+    saturated = p.queue_limit is not None and load >= ranks * p.max_num_seqs + p.queue_limit
+
+    S, B = p.max_num_seqs, p.max_num_batched_tokens
+    # Per rank (floats: an even split over the ranks).
+    running, queued, new = r0 / ranks, w0 / ranks, (load - r0 - w0) / ranks
+    seated = 0.0 if queued > 0 else min(new, max(0.0, S - running))
+    waiting = queued + new - seated
+    decoding = min(running, S)
+    running += seated
+
+    seats_needed = max(0.0, running + waiting + 1 - S)
+    wait = seats_needed * p.typical_output_tokens * p.step_s(S) / S
+    ahead = (waiting + seated) * p.typical_prompt_tokens
+    work = ahead + max(uncached, 1)
+    chunk = max(1.0, B - decoding)
+    step = p.step_s(decoding)
+    prefill = work / p.prefill_tokens_per_s + math.ceil(work / chunk - 1e-9) * step
+    residual = step / 2 if load > 0 else 0.0
+    return Prediction(residual + wait + prefill, uncached, load, saturated)
+
+
+def all_saturated(predictions: Iterable[Prediction]) -> bool:
+    """True when there is at least one prediction and every one is saturated: shed the request."""
+    seen = False
+    for prediction in predictions:
+        if not prediction.saturated:
+            return False
+        seen = True
+    return seen
+
+
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    """Candidates best first, with their predictions (same order) and the shed decision."""
+
+    candidates: list[Candidate]
+    predictions: list[Prediction]
+    #: Every candidate is saturated: the scheduler should answer 429 rather than route.
+    shed: bool
+
+
+class PredictedTTFT:
+    """Lowest predicted time to first token first; near-ties at random; saturated endpoints last."""
+
+    name = "predicted-ttft"
+
+    def __init__(self, profile_of: Callable[[Endpoint], Profile]) -> None:
+        self.profile_of = profile_of
+
+    def rank(
+        self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random
+    ) -> list[Candidate]:
+        return self.evaluate(request, candidates, rng).candidates
+
+    def evaluate(self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random) -> Ranking:
+        """Predict every candidate and rank them; the scheduler may use ``shed`` and the predictions."""
+        scored = [(predict(request, c, self.profile_of(c.endpoint)), c) for c in candidates]
+        open_ = sorted((s for s in scored if not s[0].saturated), key=lambda s: s[0].ttft_s)
+        full = sorted((s for s in scored if s[0].saturated), key=lambda s: s[0].ttft_s)
+        ordered = _shuffle_ties(open_, rng) + _shuffle_ties(full, rng)
+        return Ranking(
+            candidates=[c for _, c in ordered],
+            predictions=[p for p, _ in ordered],
+            shed=bool(scored) and not open_,
+        )
+
+
+def _shuffle_ties(
+    ordered: list[tuple[Prediction, Candidate]], rng: random.Random
+) -> list[tuple[Prediction, Candidate]]:
+    """Shuffle each run of predictions within the tie tolerance of the run's first (best) one."""
+    result: list[tuple[Prediction, Candidate]] = []
+    start = 0
+    while start < len(ordered):
+        best = ordered[start][0].ttft_s
+        limit = best + max(TIE_RELATIVE * best, TIE_ABSOLUTE_S)
+        end = start + 1
+        while end < len(ordered) and ordered[end][0].ttft_s <= limit:
+            end += 1
+        group = ordered[start:end]
+        rng.shuffle(group)
+        result.extend(group)
+        start = end
+    return result
