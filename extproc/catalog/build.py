@@ -23,6 +23,9 @@ METRICS_PORT_NAME = "metrics"
 
 _Claim = tuple[WorkerSet, ModelName]
 
+#: The problem of an Endpoint-mode set that lists no models, until its endpoints say what they serve.
+AWAITING_DISCOVERY = "spec.models is empty; the set serves nothing until model discovery finds its models"
+
 
 def build_catalog(
     worker_sets: Iterable[InferenceWorkerSet],
@@ -51,7 +54,7 @@ def build_catalog(
         )
         for key in sorted(specs)
     }
-    routes, conflicts = _routes(built.values())
+    routes, conflicts = build_routes(built.values())
     return Catalog(
         worker_sets=built,
         routes=routes,
@@ -74,7 +77,7 @@ def _join(spec: InferenceWorkerSet, service: Service | None, slices: list[Endpoi
     if not spec.models and spec.discovery_mode == "Static":
         problems.append("modelDiscovery.mode is Static but spec.models is empty; the set serves nothing")
     elif not spec.models:
-        problems.append("spec.models is empty; the set serves nothing until model discovery finds its models")
+        problems.append(AWAITING_DISCOVERY)
     return WorkerSet(
         key=spec.key,
         profile=spec.profile,
@@ -86,6 +89,8 @@ def _join(spec: InferenceWorkerSet, service: Service | None, slices: list[Endpoi
         problems=tuple(problems),
         created=spec.created,
         data_parallel_size=spec.data_parallel_size,
+        discovery_mode=spec.discovery_mode,
+        discovery_interval=spec.discovery_interval,
     )
 
 
@@ -199,8 +204,12 @@ def _age(ws: WorkerSet) -> tuple[bool, datetime, str]:
     return (False, created, ws.key)
 
 
-def _routes(sets: Iterable[WorkerSet]) -> tuple[dict[ModelName, Route], tuple[NameConflict, ...]]:
-    """Every client-facing name -> one upstream model; the oldest claim wins, losers are reported."""
+def build_routes(sets: Iterable[WorkerSet]) -> tuple[dict[ModelName, Route], tuple[NameConflict, ...]]:
+    """Every client-facing name -> one upstream model; the oldest claim wins, losers are reported.
+
+    A route's endpoints are those of the winning sets that serve its upstream model
+    (:meth:`WorkerSet.endpoints_serving`): all of a set's endpoints unless discovery learned less.
+    """
     claims: dict[ModelName, list[_Claim]] = {}
     for ws in sorted(sets, key=_age):
         for model in ws.models:
@@ -218,7 +227,7 @@ def _routes(sets: Iterable[WorkerSet]) -> tuple[dict[ModelName, Route], tuple[Na
         )
         endpoints: dict[EndpointAddress, Endpoint] = {}
         for ws in members.values():
-            for endpoint in ws.endpoints:
+            for endpoint in ws.endpoints_serving(upstream):
                 endpoints.setdefault(endpoint.address, endpoint)
         routes[client] = Route(
             client_name=client,

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from extproc.types import EndpointAddress, ModelName, WorkerSetKey
+
+#: Where a worker set's models come from (``spec.modelDiscovery.mode``).
+DiscoveryMode = Literal["Endpoint", "Static"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,24 @@ class WorkerSet:
     created: str | None = None
     #: Data-parallel ranks per pod, each with its own KV cache and event ports (+ rank).
     data_parallel_size: int = 1
+    #: ``spec.modelDiscovery.mode``. The default is Static ("models as given") so that a set built by
+    #: hand keeps its old meaning; :func:`~extproc.catalog.build.build_catalog` copies the spec's mode,
+    #: whose CRD default is Endpoint.
+    discovery_mode: DiscoveryMode = "Static"
+    #: ``spec.modelDiscovery.interval`` as written (``30s``, ``1m30s``, ``500ms``).
+    discovery_interval: str = "30s"
+    #: Set by :func:`~extproc.catalog.discovered.apply_discovery` once endpoints of an Endpoint-mode set
+    #: answered: address -> upstream names that endpoint serves (answered endpoints only). None means
+    #: ``models`` came from the spec and every ready endpoint serves every one of them.
+    served: Mapping[EndpointAddress, tuple[ModelName, ...]] | None = None
+
+    def endpoints_serving(self, model: ModelName) -> tuple[Endpoint, ...]:
+        """The ready endpoints that serve ``model``: all of them unless discovery said otherwise, since
+        an adapter may be loaded on only some pods and a request for it must not reach the others."""
+        served = self.served
+        if served is None:
+            return self.endpoints
+        return tuple(e for e in self.endpoints if model in served.get(e.address, ()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +134,16 @@ class Catalog:
     routes: Mapping[ModelName, Route] = field(default_factory=dict)
     conflicts: tuple[NameConflict, ...] = ()
     problems: tuple[ObjectProblem, ...] = ()
+    #: (endpoint, upstream model) -> the engine's context window in tokens (``max_model_len`` of
+    #: ``/v1/models``; an adapter inherits its base model's). Absent = unknown: do not filter on it.
+    context_windows: Mapping[tuple[EndpointAddress, ModelName], int] = field(default_factory=dict)
 
     def resolve(self, client_name: str) -> Route | None:
         return self.routes.get(ModelName(client_name))
+
+    def context_window(self, address: EndpointAddress, model: ModelName) -> int | None:
+        """Tokens ``address`` accepts for ``model`` (prompt + output), None if unknown."""
+        return self.context_windows.get((address, model))
 
     def to_debug(self) -> dict[str, Any]:
         """A JSON-ready description for ``/debug/state``."""
@@ -129,6 +157,7 @@ class Catalog:
                     "terminating": ws.terminating,
                     "problems": list(ws.problems),
                     "dataParallelSize": ws.data_parallel_size,
+                    "modelDiscovery": _discovery_debug(ws),
                 }
                 for key, ws in sorted(self.worker_sets.items())
             },
@@ -137,6 +166,7 @@ class Catalog:
                     "upstreamModel": r.upstream_model,
                     "workerSets": list(r.worker_sets),
                     "endpoints": [e.address for e in r.endpoints],
+                    **_windows_debug(self, r),
                 }
                 for name, r in sorted(self.routes.items())
             },
@@ -150,6 +180,25 @@ class Catalog:
                 for p in self.problems
             ],
         }
+
+
+def _discovery_debug(ws: WorkerSet) -> dict[str, Any]:
+    """Mode and interval, plus what each endpoint said it serves once discovery has answers."""
+    entry: dict[str, Any] = {"mode": ws.discovery_mode}
+    if ws.discovery_mode == "Endpoint":
+        entry["interval"] = ws.discovery_interval
+        entry["learned"] = None if ws.served is None else {a: list(n) for a, n in sorted(ws.served.items())}
+    return entry
+
+
+def _windows_debug(catalog: Catalog, route: Route) -> dict[str, Any]:
+    """``contextWindows`` of a route's endpoints, only when some are known (Static sets have none)."""
+    windows = {
+        e.address: window
+        for e in route.endpoints
+        if (window := catalog.context_window(e.address, route.upstream_model)) is not None
+    }
+    return {"contextWindows": windows} if windows else {}
 
 
 def _endpoint_debug(endpoint: Endpoint) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -43,6 +43,13 @@ class LocalWorkerSet:
     #: ``spec.kvEvents`` and the router subscribes to every listed endpoint. An endpoint left out
     #: has no ``kv`` port in its slice, which the catalog reports as a problem, as a cluster would.
     kv_ports: Mapping[str, tuple[int, int | None]] = field(default_factory=dict)
+    #: ``spec.modelDiscovery.mode``: Static (the default here) routes ``model``; Endpoint makes the
+    #: router learn the names from each endpoint's ``/v1/models``, polled every ``discovery_interval``.
+    discovery_mode: Literal["Static", "Endpoint"] = "Static"
+    discovery_interval: str = "30s"
+    #: ``spec.models`` as name -> aliases, replacing ``model``/``aliases`` (``{}`` lists none, which
+    #: with Endpoint discovery leaves the set to its endpoints). None: ``[{model, aliases}]``.
+    models: Mapping[str, Sequence[str]] | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.kv_ports) - set(self.endpoints) - set(self.not_ready))
@@ -69,8 +76,12 @@ def catalog_documents(worker_sets: Sequence[LocalWorkerSet]) -> list[dict[str, A
             "serviceRef": {"name": ws.name, "port": "http"},
             "profile": ws.profile,
             "kvBlockSize": ws.kv_block_size,
-            "modelDiscovery": {"mode": "Static"},
-            "models": [{"name": ws.model, "aliases": list(ws.aliases)}],
+            "modelDiscovery": {"mode": "Static"}
+            if ws.discovery_mode == "Static"
+            else {"mode": "Endpoint", "interval": ws.discovery_interval},
+            "models": [{"name": ws.model, "aliases": list(ws.aliases)}]
+            if ws.models is None
+            else [{"name": name, "aliases": list(aliases)} for name, aliases in ws.models.items()],
         }
         kv_events = ws.kv_events_spec()
         if kv_events is not None:
