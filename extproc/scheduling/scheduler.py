@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from extproc.catalog.model import Catalog, Endpoint, Route
 from extproc.engines.signals import EngineSignals
-from extproc.errors import ModelNotFound, NoReadyEndpoint, Overloaded
+from extproc.errors import BadRequest, ModelNotFound, NoReadyEndpoint, Overloaded
 from extproc.scheduling.inflight import InFlight, Lease
 from extproc.scheduling.picker import filter_subset, pick_endpoints
 from extproc.scheduling.policy import CacheThenLoad, Candidate, Policy, RequestFacts
@@ -98,6 +98,8 @@ class Scheduler:
         match = NO_MATCH
         if prompt is not None and self._prefix is not None:
             match = self._prefix.match(catalog, route, prompt, candidates)
+        if match.mode == "precise" and match.prompt_tokens is not None:
+            candidates = _fitting(catalog, route, candidates, match.prompt_tokens, max_tokens)
         facts = RequestFacts(route.upstream_model, match.prompt_tokens, max_tokens)
         notes: dict[str, str] = {}
         if isinstance(self.policy, PredictedTTFT):
@@ -130,6 +132,28 @@ class Scheduler:
     def models(self) -> list[tuple[str, str]]:
         """Every client-facing model name with the upstream name it resolves to, sorted."""
         return [(name, route.upstream_model) for name, route in sorted(self._catalog().routes.items())]
+
+
+def _fitting(
+    catalog: Catalog, route: Route, candidates: Sequence[Endpoint], prompt: int, max_tokens: int | None
+) -> Sequence[Endpoint]:
+    """Candidates whose context window (when discovered) holds the prompt and ``max_tokens``.
+
+    Only exact token counts filter (precise mode): an estimate must never refuse a request the
+    engine would take. When no window fits, the engine would refuse it too: a 400 that says why.
+    """
+    need = prompt + (max_tokens or 1)
+    windows = [catalog.context_window(e.address, route.upstream_model) for e in candidates]
+    fitting = [e for e, window in zip(candidates, windows, strict=True) if window is None or need <= window]
+    if fitting:
+        return fitting
+    largest = max(w for w in windows if w is not None)
+    asked = f"{prompt} prompt tokens" + (f" + max_tokens {max_tokens}" if max_tokens else "")
+    raise BadRequest(
+        f"This request needs {asked} = {need} tokens, more than the largest context window of the "
+        f"endpoints serving '{route.client_name}' ({largest})",
+        param="messages",
+    )
 
 
 def _all_endpoints(catalog: Catalog) -> list[Endpoint]:

@@ -18,8 +18,10 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2_grpc
 
 from extproc import __version__
+from extproc.catalog.discovered import apply_discovery
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
+from extproc.engines.discovery import ModelDiscovery
 from extproc.engines.scraper import EngineScraper
 from extproc.errors import ConfigError
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -56,6 +58,9 @@ class Server:
         self.source = FileSource(settings.source, on_reload=self._count_reload)
         self.prefix = PrefixRouting(settings.prefix, self.store)
         self.scraper = EngineScraper(self.store, interval=settings.scrape_interval or 1.0)
+        #: What the source declares; the store holds it with what model discovery learned applied.
+        self._declared = Catalog()
+        self.discovery = ModelDiscovery(declared=lambda: self._declared, on_change=self._republish)
         self.profiles = ProfileStore(settings.profiles)
         self.profiles.load()
         self.scheduler = Scheduler(
@@ -81,7 +86,8 @@ class Server:
 
     async def start(self) -> None:
         """Load the catalog (failing loudly if it cannot be read), then open both ports."""
-        self.store.publish(await asyncio.to_thread(self.source.load))
+        self._declared = await asyncio.to_thread(self.source.load)
+        self._republish()
         try:
             await self._start_grpc()
             await self._start_admin()
@@ -90,6 +96,7 @@ class Server:
             raise
         self._watch = asyncio.create_task(self.source.watch(self._publish), name="catalog-source")
         self.prefix.start()
+        self.discovery.start()
         if self.settings.scrape_interval > 0:
             self.scraper.start()
         if self.settings.profiles is not None:
@@ -115,6 +122,10 @@ class Server:
             return PredictedTTFT(profile_lookup(self.profiles, lambda: self.store.current))
         return CacheThenLoad()
 
+    def _republish(self) -> None:
+        """Publish the declared catalog with the models endpoints report (Endpoint discovery mode)."""
+        self.store.publish(apply_discovery(self._declared, self.discovery.results()))
+
     async def _poll_profiles(self) -> None:
         """Hot reload: an edit of the profiles file takes effect within a second."""
         while True:
@@ -127,7 +138,9 @@ class Server:
             self.metrics.source_reloads.labels(outcome).inc()
 
     def _publish(self, catalog: Catalog) -> None:
-        self.store.publish(catalog)
+        self._declared = catalog
+        self._republish()
+        self.discovery.refresh()
         log.info(
             "catalog reloaded worker_sets=%d models=%d problems=%d conflicts=%d",
             len(catalog.worker_sets),
@@ -194,6 +207,7 @@ class Server:
             "inflight": dict(sorted(self.inflight.snapshot().items())),
             "prefix": self.prefix.debug_state(),
             "policy": self.scheduler.policy.name,
+            "modelDiscovery": self.discovery.debug_state(),
             "profiles": {
                 "file": None if self.settings.profiles is None else str(self.settings.profiles),
                 "error": self.profiles.error,
@@ -215,6 +229,7 @@ class Server:
             await self._admin.cleanup()
         await self.prefix.close()
         await self.scraper.close()
+        await self.discovery.close()
 
     async def __aenter__(self) -> Server:
         await self.start()
