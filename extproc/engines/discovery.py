@@ -27,6 +27,7 @@ import aiohttp
 
 from extproc.catalog.discovered import DiscoveredModel, EndpointModels
 from extproc.catalog.model import Catalog
+from extproc.engines.waiting import sleep_or_wake
 from extproc.types import EndpointAddress, ModelName
 
 __all__ = [
@@ -321,9 +322,7 @@ class ModelDiscovery:
             delay = self._follow_interval
             if self._states:
                 delay = min(delay, min(s.due for s in self._states.values()) - self._clock())
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(delay, 0.01)):
-                    await self._wake.wait()
+            await sleep_or_wake(self._wake, max(delay, 0.01))
 
     async def _poll_one(self, address: EndpointAddress, url: str) -> bool:
         """Ask one endpoint; True if what it serves changed. Never raises."""

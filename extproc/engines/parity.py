@@ -28,6 +28,7 @@ import aiohttp
 
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
+from extproc.engines.waiting import sleep_or_wake
 from extproc.errors import BadRequest
 from extproc.tokenize.registry import CHAT_PATH, COMPLETIONS_PATH, TokenizerRegistry
 
@@ -117,8 +118,7 @@ class ParityChecker:
         timeout = aiohttp.ClientTimeout(total=self._timeout)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), self._interval)
+                await sleep_or_wake(self._changed, self._interval)
                 self._changed.clear()
                 try:
                     await self.check(session, self._store.current)
