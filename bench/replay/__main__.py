@@ -1,0 +1,3 @@
+from bench.replay.run import main
+
+raise SystemExit(main())

@@ -1,0 +1,165 @@
+"""The replay benchmark's markdown table and plots, from its JSON result (re-renderable offline).
+
+``python -m bench.replay.report bench/results/replay.json`` rewrites the ``.md`` and PNGs beside it.
+Plots need matplotlib (a dev extra); without it the markdown is still written.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _f(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The results page: setup, upper bound, one row per policy, caveats."""
+    m, t, c, ub = result["machine"], result["trace"], result["config"], result["upper_bound"]
+    ep = c["engine_params"]
+    lines = [
+        "# Routing quality: Mooncake conversation trace replay",
+        "",
+        f"Machine: {m['cpu_model']}, {m['cores']} cores, Python {m['python']}, "
+        f"commit {m['git_commit'][:10]}{' (dirty)' if m['git_dirty'] else ''}, "
+        f"{m['date']}. Whole run: {result['total_wall_s']:.0f} s wall.",
+        "",
+        f"Trace: `{Path(t['path']).name}` rows {t['first_row']}-{t['first_row'] + t['requests'] - 1} "
+        f"({t['requests']} requests over {t['duration_s']:.0f} s of trace time, {t['mean_rps']} req/s, "
+        f"mean input {t['mean_input_tokens']:.0f} / output {t['mean_output_tokens']:.0f} tokens, "
+        f"max input {t['max_input_tokens']}).",
+        "",
+        f"Setup: {c['engines']} simulated engines (fresh, empty caches for every policy), time scale "
+        f"{c['time_scale']} (wall s per simulated s), max_tokens = min(output_length, {c['output_cap']}). "
+        f"Engine params: {ep['num_gpu_blocks']} KV blocks x {ep['block_size']} tokens "
+        f"(= {ep['num_gpu_blocks'] * ep['block_size']:,} tokens) per engine, max_model_len "
+        f"{ep['max_model_len']}, max_num_seqs {ep['max_num_seqs']}, max_num_batched_tokens "
+        f"{ep['max_num_batched_tokens']}, prefill {ep['prefill_tokens_per_s']:.0f} tok/s, decode "
+        f"{ep['decode_base_s'] * 1000:g} ms + {ep['decode_per_seq_s'] * 1000:g} ms/seq per step.",
+        f"Transport: {c['transport']}. Engine signals: {c['engine_signals']}.",
+        "",
+        f"**Upper bound** (one unbounded cache that saw every earlier request): "
+        f"{ub['hit_rate_tokens']:.1%} of prompt tokens (token-exact), "
+        f"{ub['hit_rate_engine_blocks']:.1%} counted as the engines count (whole 16-token blocks, "
+        "at least one token recomputed).",
+        "",
+        "| policy | prefix input | hit rate | TTFT mean s | TTFT p50 s | TTFT p99 s | e2e p50 s | e2e p99 s "
+        "| req/engine max/mean | req/engine CV | preemptions | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for arm in result["arms"]:
+        s = arm["summary"]
+        lines.append(
+            f"| {s['policy']} | {s['prefix_mode']} | {s['hit_rate']:.1%} | {_f(s['ttft_mean_s'])} "
+            f"| {_f(s['ttft_p50_s'])} | {_f(s['ttft_p99_s'])} | {_f(s['e2e_p50_s'], 2)} "
+            f"| {_f(s['e2e_p99_s'], 2)} "
+            f"| {_f(s['imbalance_max_over_mean'], 2)} | {_f(s['imbalance_cv'], 2)} | {s['preemptions']} "
+            f"| {s['errors']} |"
+        )
+    lines += [
+        "",
+        "Client view and run health (client TTFT = wall time to the first streamed chunk / time scale, "
+        "so it includes routing, HTTP and event-loop delays; dispatch lag = how late the client sent "
+        "requests against the scaled trace clock; CPU in CPU-seconds):",
+        "",
+        "| policy | client TTFT p50 s | client TTFT p99 s | client e2e p99 s | decide ms p50 "
+        "| dispatch lag p99 ms | wall s | router+client CPU s | engines CPU s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for arm in result["arms"]:
+        s = arm["summary"]
+        lines.append(
+            f"| {s['policy']} | {_f(s['client_ttft_p50_s'])} | {_f(s['client_ttft_p99_s'])} "
+            f"| {_f(s['client_e2e_p99_s'], 2)} | {_f(s['decide_ms_p50'], 2)} "
+            f"| {_f(s['dispatch_lag_ms_p99'], 1)} "
+            f"| {s['wall_s']:.0f} | {s['router_client_cpu_s']:.0f} | {s['engine_cpu_s']:.0f} |"
+        )
+    lines += [
+        "",
+        "How to read it:",
+        "",
+        "- *hit rate* = the engines' own `prefix_cache_hits / prefix_cache_queries` (tokens, counted once "
+        "per admission, summed over engines). *TTFT*, *e2e* = every request's engine-side time to first "
+        "token and end-to-end latency in *simulated* seconds (the values the engines feed their "
+        "`vllm:time_to_first_token_seconds` / `e2e_request_latency` histograms, kept per request); they "
+        "exclude routing time, which is real wall time and shown as *decide ms*. Percentiles are "
+        "nearest-rank.",
+        "- *req/engine max/mean*, *CV* = requests routed to each engine: max over mean, and standard "
+        "deviation over mean (0 = perfectly even).",
+        "- Decisions run through the real `Scheduler` + `PrefixRouting` (tokenizer `extproc:tiny`, real "
+        "ZMQ KV-event subscriptions); requests go straight to the chosen engine over HTTP, no Envoy "
+        "(on 2 cores Envoy's CPU would distort the engines' pacing). Leases are held until each "
+        "response ends, so in-flight counts are exact.",
+        "- Policies: round-robin; least-in-flight (ours, no cache input); *gie-like* = 3 x prefix-match "
+        "ratio (approximate: our routing history of prompt chunks, no KV events) + 2 x (1 - min-max "
+        "normalised in-flight) + 1 x (1 - kv usage; 0 without engine signals), max score; *dynamo-like* = "
+        "argmin of prefill_load_scale (1.0) x max(active prefill blocks + new prompt blocks - overlap "
+        "blocks, 0) + active blocks, overlap from the precise KV-event index, active blocks from our own "
+        "in-flight accounting (prompt blocks only); *ours* = the router's policy (see its name).",
+        "- Prompts: each trace hash id is 512 fixed pseudo-random token ids of the shipped tokenizer's "
+        "vocabulary (seeded by the id), the last block cut to `input_length`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plots(result: dict[str, Any], out: Path) -> list[Path]:
+    """Hit rate per policy (with the upper bound) and TTFT CDF per policy; [] without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    arms = result["arms"]
+    names = [a["summary"]["policy"] for a in arms]
+    written: list[Path] = []
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.barh(names, [a["summary"]["hit_rate"] for a in arms], color="tab:blue")
+    bound = result["upper_bound"]["hit_rate_engine_blocks"]
+    ax.axvline(bound, color="tab:red", linestyle="--", label=f"upper bound {bound:.1%}")
+    ax.set_xlabel("prefix-cache hit rate (engine counters)")
+    ax.invert_yaxis()
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    path = out.with_name(out.stem + "_hit_rate.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for arm in arms:
+        ttft = sorted(t for e in arm["raw"]["engines"] for t in e["ttft"])
+        if ttft:
+            ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=arm["summary"]["policy"])
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT, simulated seconds (log)")
+    ax.set_ylabel("fraction of requests")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path = out.with_name(out.stem + "_ttft_cdf.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def write(result: dict[str, Any], out: Path) -> str:
+    """Write ``<out>.md`` and the PNGs beside ``out``; returns the markdown."""
+    images = plots(result, out)
+    md = markdown(result)
+    if images:
+        md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in images) + "\n"
+    out.with_suffix(".md").write_text(md)
+    return md
+
+
+if __name__ == "__main__":
+    target = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/replay.json")
+    print(write(json.loads(target.read_text()), target))

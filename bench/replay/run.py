@@ -1,0 +1,530 @@
+"""Replay a Mooncake trace against simulated engines, one routing policy after another.
+
+Each policy ("arm") gets a fresh fleet of simulated engines (empty caches) in a child process, and
+the bench process runs the router's real decision path against it: the real :class:`Scheduler`
+with the real :class:`PrefixRouting` (tokenizer ``extproc:tiny``, ZMQ KV-event subscriptions to
+every engine, the follower, the prefix scorer), in-flight leases held until each response ends.
+Requests then go over HTTP straight to the chosen engine: no Envoy, because on a 2-core machine
+Envoy's CPU would distort the engines' pacing more than the routing we want to compare.
+
+Two processes so both cores work: engines (their model-time pacing is sensitive to CPU starvation)
+in the child, router + load client in the parent. Engine-side numbers (prefix-cache counters, TTFT
+and end-to-end latency in *simulated* seconds) come back from the child when the arm ends.
+
+Run from the repo root: ``.venv/bin/python -m bench.replay [--quick]`` (see ``--help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import multiprocessing as mp
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from bench.machine import machine
+from bench.replay import report
+from bench.replay.policies import ActiveBlocks, DynamoCost, GieLike, RoundRobin
+from bench.replay.trace import TraceRequest, load, prompt_tokens, summary, upper_bound
+from extproc.catalog.build import build_catalog
+from extproc.catalog.model import Catalog
+from extproc.catalog.resources import EndpointSlice, InferenceWorkerSet, Service, parse_object
+from extproc.catalog.store import CatalogStore
+from extproc.demo.catalog import LocalWorkerSet, catalog_documents, kv_ports_of
+from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.policy import CacheThenLoad, LeastInFlight, Policy
+from extproc.scheduling.prefix import PromptInput
+from extproc.scheduling.scheduler import Scheduler
+from extproc.server.prefix_routing import PrefixRouting
+from extproc.settings import PrefixSettings
+from extproc.sim.engine_core import EngineParams
+from extproc.tokenize import shipped_tokenizer
+from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerSpec
+
+log = logging.getLogger("bench.replay")
+
+REPO = Path(__file__).resolve().parents[2]
+TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+MODEL = "mooncake-replay"
+PATH = "/v1/completions"
+
+
+# -- the arms ---------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Arm:
+    """One policy with the prefix producer it runs on and the hooks its state needs."""
+
+    name: str
+    policy: Policy
+    #: True: the catalog declares no KV events, so the scorer uses our routing history (approximate).
+    approximate: bool = False
+    active: ActiveBlocks | None = None
+
+
+def ours(engine: EngineParams) -> tuple[str, Policy]:
+    """The router's own policy: the latency-profile predictor when it exists, else cache-then-load.
+
+    The predictor gets the profile the simulated engines actually run (their speed and batch limits).
+    """
+    try:
+        from extproc.scheduling.predictor import PredictedTTFT
+        from extproc.scheduling.profiles import Profile
+
+        profile = Profile(
+            prefill_tokens_per_s=engine.prefill_tokens_per_s,
+            decode_base_ms=engine.decode_base_s * 1000,
+            decode_per_seq_ms=engine.decode_per_seq_s * 1000,
+            max_num_seqs=engine.max_num_seqs,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+        )
+        policy: Policy = PredictedTTFT(lambda _endpoint: profile)
+        return f"ours ({policy.name})", policy
+    except Exception as exc:  # not landed, or its interface changed: still compare something
+        log.warning("predictor unavailable (%r): ours = cache-then-load", exc)
+        return "ours (cache-then-load)", CacheThenLoad()
+
+
+def default_arms(engine: EngineParams) -> list[Callable[[], Arm]]:
+    """Factories (fresh policy state per arm) in report order; edit here to add or swap a policy."""
+
+    def dynamo() -> Arm:
+        active = ActiveBlocks(engine.block_size)
+        return Arm(DynamoCost.name, DynamoCost(active), active=active)
+
+    def our_arm() -> Arm:
+        name, policy = ours(engine)
+        return Arm(name, policy)
+
+    return [
+        lambda: Arm(RoundRobin.name, RoundRobin()),
+        lambda: Arm(LeastInFlight.name, LeastInFlight()),
+        lambda: Arm(GieLike.name, GieLike(), approximate=True),
+        dynamo,
+        our_arm,
+    ]
+
+
+# -- the engines (child process) --------------------------------------------------------------------
+
+
+def fleet_main(config: dict[str, Any], conn: Connection) -> None:
+    """Child process entry: run the fleet until told to stop, then send back the engines' numbers."""
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(_fleet(config, conn))
+
+
+async def _fleet(config: dict[str, Any], conn: Connection) -> None:
+    from extproc.sim.fleet import SimFleet
+    from extproc.sim.settings import KVEventSettings, SimSettings
+
+    settings = SimSettings(
+        listen="127.0.0.1:0",
+        served_model_names=(MODEL,),
+        engine=EngineParams(**config["engine"]),
+        time_scale=config["time_scale"],
+        enable_prompt_tokens_details=True,
+        kv_events=KVEventSettings(port=0, replay_port=0),
+    )
+    observed: dict[str, dict[str, list[float]]] = {}
+    cpu0 = time.process_time()
+    async with SimFleet(settings, replicas=config["engines"]) as fleet:
+        for server in fleet.servers:
+            seen = observed.setdefault(server.address, {"ttft": [], "queue": [], "e2e": []})
+            _tap(server.metrics, seen)
+        conn.send(
+            [
+                {
+                    "address": s.address,
+                    "kv": s.state()["ranks"][0]["kv_events"]["endpoint"],
+                    "replay": s.state()["ranks"][0]["kv_events"]["replay_endpoint"],
+                }
+                for s in fleet.servers
+            ]
+        )
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        engines = []
+        for server in fleet.servers:
+            stats = [rank.stats() for rank in server.ranks]
+            engines.append(
+                {
+                    "address": server.address,
+                    "prefix_cache_queries": sum(s.prefix_cache_queries for s in stats),
+                    "prefix_cache_hits": sum(s.prefix_cache_hits for s in stats),
+                    "preemptions": sum(s.num_preemptions for s in stats),
+                    "prompt_tokens": sum(s.prompt_tokens for s in stats),
+                    "requests_finished": server.requests_finished,
+                    **observed[server.address],
+                }
+            )
+        conn.send({"engines": engines, "cpu_s": time.process_time() - cpu0})
+
+
+def _tap(metrics: Any, seen: dict[str, list[float]]) -> None:
+    """Keep every TTFT / queue / e2e observation (simulated seconds), not just histogram buckets."""
+    first, finished = metrics.observe_first_token, metrics.observe_finished
+
+    def observe_first_token(engine: str, *, ttft: float, queue_time: float) -> None:
+        seen["ttft"].append(ttft)
+        seen["queue"].append(queue_time)
+        first(engine, ttft=ttft, queue_time=queue_time)
+
+    def observe_finished(engine: str, *, e2e: float, finish_reason: str) -> None:
+        seen["e2e"].append(e2e)
+        finished(engine, e2e=e2e, finish_reason=finish_reason)
+
+    metrics.observe_first_token = observe_first_token
+    metrics.observe_finished = observe_finished
+
+
+# -- the router + client (this process) -------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Sent:
+    """What the client saw of one request (wall seconds, relative to the arm's start)."""
+
+    index: int
+    endpoint: str
+    ok: bool = False
+    router_cached: int = 0
+    engine_cached: int | None = None
+    decide_s: float = 0.0
+    ttft_wall_s: float | None = None
+    e2e_wall_s: float | None = None
+    lag_s: float = 0.0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Config:
+    engines: int
+    time_scale: float
+    output_cap: int
+    engine: dict[str, Any] = field(default_factory=dict)
+    seed: int = 1
+
+
+async def run_arm(arm: Arm, requests: list[TraceRequest], cfg: Config, vocab: int) -> dict[str, Any]:
+    """Start fresh engines, replay ``requests`` at their scaled arrival times, collect everything."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(
+        target=fleet_main,
+        args=({"engines": cfg.engines, "time_scale": cfg.time_scale, "engine": cfg.engine}, child),
+        daemon=True,
+    )
+    proc.start()
+    loop = asyncio.get_running_loop()
+    try:
+        servers = await loop.run_in_executor(None, _recv, parent, 60.0)
+        return await _replay(arm, requests, cfg, vocab, servers, parent)
+    finally:
+        if proc.is_alive():
+            with contextlib.suppress(OSError):
+                parent.send("stop")  # an arm that failed midway: let the engines shut down cleanly
+            proc.join(timeout=10)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=5)
+
+
+def _recv(conn: Connection, timeout: float) -> Any:
+    if not conn.poll(timeout):
+        raise TimeoutError(f"no answer from the engine process in {timeout:g} s")
+    return conn.recv()
+
+
+async def _replay(
+    arm: Arm,
+    requests: list[TraceRequest],
+    cfg: Config,
+    vocab: int,
+    servers: list[dict[str, str]],
+    conn: Connection,
+) -> dict[str, Any]:
+    addresses = [s["address"] for s in servers]
+    kv_ports = {} if arm.approximate else {s["address"]: kv_ports_of(s["kv"], s["replay"]) for s in servers}
+    worker_set = LocalWorkerSet(
+        "replay", MODEL, addresses, kv_block_size=cfg.engine.get("block_size", 16), kv_ports=kv_ports
+    )
+    store = CatalogStore()
+    routing = PrefixRouting(PrefixSettings(tokenizers=(TokenizerSpec(MODEL, SHIPPED_TOKENIZER),)), store)
+    routing.start()
+    store.publish(_catalog(worker_set))
+    scheduler = Scheduler(
+        lambda: store.current,
+        InFlight(),
+        max_fallbacks=0,
+        rng=random.Random(cfg.seed),
+        prefix=routing.scorer,
+        policy=arm.policy,
+    )
+    sent: list[Sent] = []
+    loop = asyncio.get_running_loop()
+    try:
+        await _wait_subscribed(routing, 0 if arm.approximate else len(addresses))
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+            cpu0, t0 = time.process_time(), time.monotonic()
+            tasks = []
+            for request in requests:
+                due = t0 + request.arrival_s * cfg.time_scale
+                delay = due - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                record = Sent(request.index, "", lag_s=max(time.monotonic() - due, 0.0))
+                sent.append(record)
+                tasks.append(asyncio.create_task(_one(session, scheduler, arm, request, cfg, vocab, record)))
+            await asyncio.gather(*tasks)
+            wall = time.monotonic() - t0
+            cpu = time.process_time() - cpu0
+        conn.send("stop")
+        engines = await loop.run_in_executor(None, _recv, conn, 60.0)
+        lookups = dict(routing.scorer.counters.lookups)
+    finally:
+        await routing.close()
+    return {
+        "name": arm.name,
+        "prefix_mode": "approximate" if arm.approximate else "precise",
+        "wall_s": wall,
+        "router_client_cpu_s": cpu,
+        "engine_cpu_s": engines["cpu_s"],
+        "prefix_lookups": lookups,
+        "engines": engines["engines"],
+        "requests": [asdict(s) for s in sent],
+    }
+
+
+def _catalog(worker_set: LocalWorkerSet) -> Catalog:
+    """A catalog built in memory from the same objects a cluster would hold (as the parity tests do)."""
+    objects = [parse_object(doc) for doc in catalog_documents([worker_set])]
+    return build_catalog(
+        [o for o in objects if isinstance(o, InferenceWorkerSet)],
+        [o for o in objects if isinstance(o, Service)],
+        [o for o in objects if isinstance(o, EndpointSlice)],
+        (),
+    )
+
+
+async def _wait_subscribed(routing: PrefixRouting, sources: int, wait_s: float = 20.0) -> None:
+    """Traffic starts only once every engine's KV-event subscription is connected (a fresh engine has
+    published nothing yet, so there is nothing to sync until the first event)."""
+    deadline = time.monotonic() + wait_s
+    while sources and time.monotonic() < deadline:
+        stats = routing.subscriptions.stats()
+        if len(stats) >= sources and all(s.connected for s in stats.values()):
+            await asyncio.sleep(0.2)  # ZMQ's slow joiner: let PUB see the SUB before the first event
+            return
+        await asyncio.sleep(0.05)
+    if sources:
+        raise TimeoutError(f"KV-event subscriptions not ready: {routing.subscriptions.stats()}")
+
+
+async def _one(
+    session: aiohttp.ClientSession,
+    scheduler: Scheduler,
+    arm: Arm,
+    request: TraceRequest,
+    cfg: Config,
+    vocab: int,
+    record: Sent,
+) -> None:
+    """Route one request through the real scheduler, send it to the pick, hold the lease to the end."""
+    start = time.monotonic()
+    max_tokens = max(1, min(request.output_length, cfg.output_cap))
+    body = {
+        "model": MODEL,
+        "prompt": prompt_tokens(request, vocab),
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    decision = scheduler.schedule(MODEL, prompt=PromptInput(PATH, body), max_tokens=max_tokens)
+    address = decision.endpoints[0].address
+    record.endpoint = address
+    record.router_cached = decision.prefix.cached_tokens.get(address, 0)
+    record.decide_s = time.monotonic() - start
+    lease = scheduler.acquire(address)
+    if arm.active is not None:
+        arm.active.start(request.index, address, request.input_length, record.router_cached)
+    try:
+        async with session.post(f"http://{address}{PATH}", data=orjson.dumps(body)) as resp:
+            if resp.status != 200:
+                record.error = f"{resp.status}: {(await resp.text())[:200]}"
+                return
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = orjson.loads(line[6:])
+                if record.ttft_wall_s is None and chunk.get("choices"):
+                    record.ttft_wall_s = time.monotonic() - start
+                    if arm.active is not None:
+                        arm.active.first_token(request.index)
+                usage = chunk.get("usage")
+                if usage:
+                    details = usage.get("prompt_tokens_details") or {}
+                    record.engine_cached = details.get("cached_tokens")
+        record.e2e_wall_s = time.monotonic() - start
+        record.ok = True
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        record.error = repr(exc)
+    finally:
+        lease.release()
+        if arm.active is not None:
+            arm.active.finish(request.index)
+
+
+# -- summary ----------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0-100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+def summarize(arm: dict[str, Any], scale: float) -> dict[str, Any]:
+    """The per-policy numbers the report shows."""
+    engines = arm["engines"]
+    queries = sum(e["prefix_cache_queries"] for e in engines)
+    hits = sum(e["prefix_cache_hits"] for e in engines)
+    ttft = [t for e in engines for t in e["ttft"]]
+    e2e = [t for e in engines for t in e["e2e"]]
+    reqs = arm["requests"]
+    per_engine = [sum(1 for r in reqs if r["endpoint"] == e["address"]) for e in engines]
+    tokens = [e["prompt_tokens"] for e in engines]
+    mean = statistics.fmean(per_engine) if per_engine else 0.0
+    client_ttft = [r["ttft_wall_s"] / scale for r in reqs if r["ttft_wall_s"] is not None]
+    client_e2e = [r["e2e_wall_s"] / scale for r in reqs if r["e2e_wall_s"] is not None]
+    return {
+        "policy": arm["name"],
+        "prefix_mode": arm["prefix_mode"],
+        "requests": len(reqs),
+        "errors": sum(1 for r in reqs if not r["ok"]),
+        "hit_rate": hits / queries if queries else 0.0,
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p99_s": percentile(e2e, 99),
+        "client_ttft_p50_s": percentile(client_ttft, 50),
+        "client_ttft_p99_s": percentile(client_ttft, 99),
+        "client_e2e_p99_s": percentile(client_e2e, 99),
+        "requests_per_engine": per_engine,
+        "imbalance_max_over_mean": max(per_engine) / mean if mean else None,
+        "imbalance_cv": statistics.pstdev(per_engine) / mean if mean else None,
+        "prompt_tokens_cv": statistics.pstdev(tokens) / statistics.fmean(tokens) if any(tokens) else None,
+        "preemptions": sum(e["preemptions"] for e in engines),
+        "decide_ms_p50": 1000 * (percentile([r["decide_s"] for r in reqs], 50) or 0.0),
+        "dispatch_lag_ms_p99": 1000 * (percentile([r["lag_s"] for r in reqs], 99) or 0.0),
+        "wall_s": arm["wall_s"],
+        "router_client_cpu_s": arm["router_client_cpu_s"],
+        "engine_cpu_s": arm["engine_cpu_s"],
+        "prefix_lookups": arm["prefix_lookups"],
+    }
+
+
+# -- entry ------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: 120 requests, time scale 0.1")
+    p.add_argument("--requests", type=int, default=3000, help="contiguous trace rows replayed (default 3000)")
+    p.add_argument("--start", type=int, default=0, help="first trace row (default 0)")
+    p.add_argument("--engines", type=int, default=8)
+    p.add_argument("--time-scale", type=float, default=0.12, help="wall seconds per simulated second")
+    p.add_argument("--output-cap", type=int, default=512, help="max_tokens = min(output_length, this)")
+    p.add_argument("--gpu-blocks", type=int, default=24_000, help="KV blocks of 16 tokens per engine")
+    p.add_argument("--only", nargs="*", help="run only the policies whose names start with these")
+    p.add_argument("--trace", type=Path, default=TRACE)
+    p.add_argument("--out", type=Path, default=REPO / "bench/results/replay.json")
+    return p.parse_args(argv)
+
+
+async def amain(args: argparse.Namespace) -> dict[str, Any]:
+    if args.quick:
+        args.requests, args.time_scale = min(args.requests, 120), 0.1
+    requests = load(args.trace, requests=args.requests, start=args.start)
+    engine = {
+        "block_size": 16,
+        "num_gpu_blocks": args.gpu_blocks,
+        # Mooncake prompts reach ~126k tokens: a 128k context, like the models the trace came from.
+        "max_model_len": 131_072,
+    }
+    cfg = Config(args.engines, args.time_scale, args.output_cap, engine)
+    vocab = shipped_tokenizer().vocab_size
+    bound = upper_bound(requests, engine_block=16)
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "trace": {"path": str(args.trace), **summary(requests)},
+        "config": {
+            "engines": cfg.engines,
+            "time_scale": cfg.time_scale,
+            "output_cap": cfg.output_cap,
+            "engine_params": asdict(EngineParams(**engine)),
+            "vocab_size": vocab,
+            "transport": "bench -> engine HTTP directly (no Envoy), streaming /v1/completions, "
+            "token-id prompts",
+            "engine_signals": "none (policies see our in-flight counts and prefix matches only)",
+        },
+        "upper_bound": {
+            "hit_rate_tokens": bound.hit_rate,
+            "hit_rate_engine_blocks": bound.engine_hit_rate,
+            "prompt_tokens": bound.prompt_tokens,
+        },
+        "arms": [],
+    }
+    started = time.monotonic()
+    for factory in default_arms(EngineParams(**engine)):
+        arm = factory()
+        if args.only and not any(arm.name.startswith(o) for o in args.only):
+            continue
+        log.warning("arm %s: %d requests, time scale %g", arm.name, len(requests), cfg.time_scale)
+        raw = await run_arm(arm, requests, cfg, vocab)
+        summary_ = summarize(raw, cfg.time_scale)
+        log.warning(
+            "arm %s: hit %.3f ttft p50 %.3f p99 %.3f s, wall %.0f s",
+            arm.name,
+            summary_["hit_rate"],
+            summary_["ttft_p50_s"] or -1,
+            summary_["ttft_p99_s"] or -1,
+            raw["wall_s"],
+        )
+        result["arms"].append({"summary": summary_, "raw": raw})
+    result["total_wall_s"] = time.monotonic() - started
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    args = parse_args(argv)
+    result = asyncio.run(amain(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    with contextlib.suppress(OSError):
+        md = report.write(result, args.out)
+        print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

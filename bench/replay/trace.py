@@ -1,0 +1,173 @@
+"""The Mooncake trace, pure: load a slice, expand hash ids to token ids, and its cache upper bound.
+
+Kept free of I/O beyond reading the file so the numbers the benchmark compares against (the upper
+bound) and the prompts it sends (the expansion) are unit-tested and identical in every run.
+
+* Each ``hash_ids`` entry stands for one 512-token block of a prompt; equal leading runs are shared
+  prefixes (the ids are chained prefix hashes remapped to integers). A block expands to 512 fixed
+  pseudo-random token ids in ``[0, vocab_size)`` seeded by the id alone, so the same id is the same
+  tokens in every request and every run; the last block is truncated so a prompt is exactly
+  ``input_length`` tokens.
+* The upper bound is the prefix-cache hit rate of one unbounded cache that saw every earlier request
+  of the slice (no eviction, no load limits): what no router over bounded engines can beat.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+#: Tokens per trace hash id (Mooncake's block size).
+TRACE_BLOCK = 512
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One trace row, with arrival in seconds since the first request of the slice."""
+
+    index: int
+    arrival_s: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load(path: Path, *, requests: int | None = None, start: int = 0) -> list[TraceRequest]:
+    """A contiguous slice of the trace (``requests`` rows from row ``start``), arrivals rebased to 0."""
+    rows: list[TraceRequest] = []
+    with path.open(encoding="utf-8") as f:
+        for index, line in enumerate(f):
+            if index < start or not line.strip():
+                continue
+            if requests is not None and len(rows) >= requests:
+                break
+            row = json.loads(line)
+            rows.append(
+                TraceRequest(
+                    index=index,
+                    arrival_s=row["timestamp"] / 1000.0,
+                    input_length=int(row["input_length"]),
+                    output_length=int(row["output_length"]),
+                    hash_ids=tuple(int(h) for h in row["hash_ids"]),
+                )
+            )
+    if rows:
+        t0 = rows[0].arrival_s
+        rows = [
+            TraceRequest(r.index, r.arrival_s - t0, r.input_length, r.output_length, r.hash_ids) for r in rows
+        ]
+    return rows
+
+
+def block_tokens(hash_id: int, vocab_size: int, *, salt: int = 0) -> tuple[int, ...]:
+    """The 512 token ids one hash id stands for: a pure function of (id, vocab, salt)."""
+    return _block_tokens(hash_id, vocab_size, salt)
+
+
+@lru_cache(maxsize=65_536)
+def _block_tokens(hash_id: int, vocab_size: int, salt: int) -> tuple[int, ...]:
+    rng = random.Random(hash_id * 1_000_003 + salt)
+    return tuple(rng.randrange(vocab_size) for _ in range(TRACE_BLOCK))
+
+
+def prompt_tokens(request: TraceRequest, vocab_size: int, *, salt: int = 0) -> list[int]:
+    """The request's prompt: its blocks' tokens in order, cut to ``input_length``.
+
+    A trace row whose ids cover fewer tokens than ``input_length`` (not seen in the Mooncake traces,
+    but cheap to guard) is padded with tokens of a block id unique to the row, so lengths always hold.
+    """
+    tokens: list[int] = []
+    for hash_id in request.hash_ids:
+        if len(tokens) >= request.input_length:
+            break
+        tokens.extend(block_tokens(hash_id, vocab_size, salt=salt))
+    pad = -1 - request.index
+    while len(tokens) < request.input_length:
+        tokens.extend(block_tokens(pad, vocab_size, salt=salt))
+    return tokens[: request.input_length]
+
+
+def block_lengths(request: TraceRequest) -> list[int]:
+    """Tokens each hash id contributes to the prompt (512, except a shorter last block)."""
+    lengths: list[int] = []
+    left = request.input_length
+    for _ in request.hash_ids:
+        if left <= 0:
+            break
+        lengths.append(min(TRACE_BLOCK, left))
+        left -= TRACE_BLOCK
+    return lengths
+
+
+@dataclass(frozen=True, slots=True)
+class UpperBound:
+    """Prompt tokens an unbounded cache would have served, two ways (see :func:`upper_bound`)."""
+
+    prompt_tokens: int
+    #: Token-exact: the longest previously seen prefix, at any token.
+    hit_tokens: int
+    #: As the simulated engines count it: whole ``engine_block`` blocks, at least one token recomputed.
+    engine_hit_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def engine_hit_rate(self) -> float:
+        return self.engine_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def upper_bound(requests: Iterable[TraceRequest], *, engine_block: int = 16) -> UpperBound:
+    """The hit rate of one unbounded cache fed the requests in order.
+
+    A request's cached prefix is its longest leading run already seen: block ``i`` hits when the chain
+    ``hash_ids[: i + 1]`` was seen before, for as many of its tokens as the longest earlier request
+    carried of that block (a partial last block seen as 300 tokens serves at most 300 tokens of a
+    later full block, and a block seen only partially ends the run). ``engine_hit_tokens`` then applies
+    what the engines do on top: whole ``engine_block``-token blocks only, and at least one prompt token
+    recomputed (vLLM caps a hit at ``prompt - 1`` tokens, in whole blocks).
+    """
+    seen: dict[tuple[int, int], int] = {}  # (parent chain key, hash id) -> longest length seen
+    chain_ids: dict[tuple[int, int], int] = {}
+    total = hits = engine_hits = 0
+    for request in requests:
+        lengths = block_lengths(request)
+        total += request.input_length
+        matched = 0
+        broken = False
+        parent = -1
+        for hash_id, length in zip(request.hash_ids, lengths, strict=False):
+            key = (parent, hash_id)
+            before = seen.get(key, 0)
+            if not broken:
+                got = min(before, length)
+                matched += got
+                broken = got < length
+            if length > before:
+                seen[key] = length
+            parent = chain_ids.setdefault(key, len(chain_ids))
+        hits += matched
+        cap = min(matched, request.input_length - 1)
+        engine_hits += max(cap, 0) // engine_block * engine_block
+    return UpperBound(total, hits, engine_hits)
+
+
+def summary(requests: Sequence[TraceRequest]) -> dict[str, float]:
+    """Slice statistics for the report."""
+    if not requests:
+        return {"requests": 0}
+    duration = requests[-1].arrival_s - requests[0].arrival_s
+    return {
+        "requests": len(requests),
+        "first_row": requests[0].index,
+        "duration_s": round(duration, 3),
+        "mean_rps": round(len(requests) / duration, 3) if duration > 0 else 0.0,
+        "mean_input_tokens": round(sum(r.input_length for r in requests) / len(requests), 1),
+        "mean_output_tokens": round(sum(r.output_length for r in requests) / len(requests), 1),
+        "max_input_tokens": max(r.input_length for r in requests),
+    }
