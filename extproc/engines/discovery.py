@@ -27,6 +27,7 @@ import aiohttp
 
 from extproc.catalog.discovered import DiscoveredModel, EndpointModels
 from extproc.catalog.model import Catalog
+from extproc.engines.http import fetch_bounded
 from extproc.engines.waiting import sleep_or_wake
 from extproc.types import EndpointAddress, ModelName
 
@@ -364,19 +365,9 @@ class ModelDiscovery:
 
     async def _fetch(self, url: str) -> bytes:
         assert self._session is not None, "start() first"
-        async with self._session.get(url, headers={"Accept": "application/json"}) as resp:
-            if resp.status != 200:
-                raise DiscoveryError(f"HTTP {resp.status} from {url}")
-            if resp.content_length is not None and resp.content_length > self._max_bytes:
-                raise DiscoveryError(f"response of {resp.content_length} bytes exceeds {self._max_bytes}")
-            chunks: list[bytes] = []
-            size = 0
-            async for chunk in resp.content.iter_chunked(64 * 1024):
-                size += len(chunk)
-                if size > self._max_bytes:
-                    raise DiscoveryError(f"response exceeds {self._max_bytes} bytes")
-                chunks.append(chunk)
-            return b"".join(chunks)
+        return await fetch_bounded(
+            self._session, url, accept="application/json", max_bytes=self._max_bytes, error=DiscoveryError
+        )
 
     def _notify(self) -> None:
         self.changes += 1

@@ -21,6 +21,7 @@ import aiohttp
 
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
+from extproc.engines.http import fetch_bounded
 from extproc.engines.signals import EngineSignals, MetricsParseError, parse_signals
 from extproc.types import EndpointAddress
 
@@ -248,19 +249,9 @@ class EngineScraper:
 
     async def _fetch(self, url: str) -> bytes:
         assert self._session is not None, "start() first"
-        async with self._session.get(url, headers={"Accept": "text/plain"}) as resp:
-            if resp.status != 200:
-                raise ScrapeError(f"HTTP {resp.status} from {url}")
-            if resp.content_length is not None and resp.content_length > self._max_bytes:
-                raise ScrapeError(f"response of {resp.content_length} bytes exceeds {self._max_bytes}")
-            chunks: list[bytes] = []
-            size = 0
-            async for chunk in resp.content.iter_chunked(64 * 1024):
-                size += len(chunk)
-                if size > self._max_bytes:
-                    raise ScrapeError(f"response exceeds {self._max_bytes} bytes")
-                chunks.append(chunk)
-            return b"".join(chunks)
+        return await fetch_bounded(
+            self._session, url, accept="text/plain", max_bytes=self._max_bytes, error=ScrapeError
+        )
 
     def _log_sometimes(self, address: EndpointAddress, kind: str, error: str) -> None:
         now = self._clock()
