@@ -14,7 +14,6 @@ forgotten at the next look at it (:meth:`ModelDiscovery.refresh` makes that imme
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import re
@@ -29,6 +28,7 @@ from extproc.catalog.discovered import DiscoveredModel, EndpointModels
 from extproc.catalog.model import Catalog
 from extproc.engines.http import fetch_bounded
 from extproc.engines.waiting import sleep_or_wake
+from extproc.tasks import cancel_and_wait
 from extproc.types import EndpointAddress, ModelName
 
 __all__ = [
@@ -240,11 +240,8 @@ class ModelDiscovery:
         self._wake.set()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._own_session and self._session is not None:
             await self._session.close()
             self._session = None

@@ -17,7 +17,6 @@ Probes run when the catalog changes (new endpoints, new sets) and every ``interv
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +29,7 @@ from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
 from extproc.engines.waiting import sleep_or_wake
 from extproc.errors import BadRequest
+from extproc.tasks import cancel_and_wait
 from extproc.tokenize.registry import CHAT_PATH, COMPLETIONS_PATH, TokenizerRegistry
 
 log = logging.getLogger(__name__)
@@ -108,11 +108,8 @@ class ParityChecker:
 
     async def close(self) -> None:
         self._unsubscribe()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self._timeout)

@@ -10,7 +10,6 @@ Endpoints that leave the catalog are forgotten at once (catalog notification), n
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -23,6 +22,7 @@ from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
 from extproc.engines.http import fetch_bounded
 from extproc.engines.signals import EngineSignals, MetricsParseError, parse_signals
+from extproc.tasks import cancel_and_wait
 from extproc.types import EndpointAddress
 
 log = logging.getLogger(__name__)
@@ -131,11 +131,8 @@ class EngineScraper:
 
     async def close(self) -> None:
         self._unsubscribe()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._own_session and self._session is not None:
             await self._session.close()
             self._session = None

@@ -12,7 +12,6 @@ coalesces bursts of reloads into one sync with the latest catalog).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from extproc.kvindex.events import Source
 from extproc.kvindex.index import PrefixIndex
 from extproc.kvindex.ingest import IndexIngest
 from extproc.kvindex.subscriptions import KVSubscriptions, SubscriptionTarget
+from extproc.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +82,8 @@ class KVEventsFollower:
 
     async def close(self) -> None:
         self._unsubscribe()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         await self._subscriptions.close()
 
     async def _run(self) -> None:

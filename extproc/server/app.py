@@ -7,7 +7,6 @@ demo run the real thing in-process; :func:`serve` is the CLI's blocking entry po
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -37,6 +36,7 @@ from extproc.server.prefix_routing import PrefixRouting
 from extproc.server.service import ExternalProcessorService
 from extproc.settings import ServeSettings, parse_host_port
 from extproc.sources.file import FileSource, ReloadOutcome
+from extproc.tasks import cancel_and_wait
 from extproc.telemetry import Metrics, UnknownProfileCollector
 
 log = logging.getLogger(__name__)
@@ -219,10 +219,7 @@ class Server:
     async def stop(self) -> None:
         """Stop taking streams, let open ones finish for ``drain_seconds``, then close."""
         for task in (self._watch, self._profile_poll):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await cancel_and_wait(task)
         if self._grpc is not None:
             await self._grpc.stop(grace=self.settings.drain_seconds)
         if self._admin is not None:
