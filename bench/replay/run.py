@@ -359,7 +359,8 @@ async def _one(
     record.endpoint = address
     record.router_cached = decision.prefix.cached_tokens.get(address, 0)
     record.decide_s = time.monotonic() - start
-    lease = scheduler.acquire(address)
+    tokens, seconds = decision.prefill
+    lease = scheduler.acquire(address, prefill_tokens=tokens, prefill_seconds=seconds * cfg.time_scale)
     if arm.active is not None:
         arm.active.start(request.index, address, request.input_length, record.router_cached)
     try:

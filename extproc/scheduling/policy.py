@@ -41,6 +41,10 @@ class Candidate:
     cached_tokens: int
     #: The engine's last scraped signals, None when unknown or stale.
     signals: EngineSignals | None = None
+    #: Of ``in_flight``: uncached prompt tokens and requests we expect to be still prefilling
+    #: (None: not tracked; the rest of our in-flight requests are decoding).
+    pending_prefill_tokens: int | None = None
+    pending_prefills: int = 0
 
 
 class Policy(Protocol):

@@ -108,16 +108,24 @@ def predict(request: RequestFacts, candidate: Candidate, profile: Profile) -> Pr
     saturated = p.queue_limit is not None and load >= ranks * p.max_num_seqs + p.queue_limit
 
     S, B = p.max_num_seqs, p.max_num_batched_tokens
-    # Per rank (floats: an even split over the ranks).
-    running, queued, new = r0 / ranks, w0 / ranks, (load - r0 - w0) / ranks
-    seated = 0.0 if queued > 0 else min(new, max(0.0, S - running))
-    waiting = queued + new - seated
-    decoding = min(running, S)
-    running += seated
+    if signals is None and candidate.pending_prefill_tokens is not None:
+        # Only our own accounting, but exact: the prefill work we routed there and predicted to be
+        # still running, and the rest of our requests decoding.
+        running = float(min(load, S))
+        waiting = float(max(0, load - S))
+        decoding = float(min(max(0, load - candidate.pending_prefills), S))
+        ahead = float(candidate.pending_prefill_tokens)
+    else:
+        # Per rank (floats: an even split over the ranks).
+        running, queued, new = r0 / ranks, w0 / ranks, (load - r0 - w0) / ranks
+        seated = 0.0 if queued > 0 else min(new, max(0.0, S - running))
+        waiting = queued + new - seated
+        decoding = min(running, S)
+        running += seated
+        ahead = (waiting + seated) * p.typical_prompt_tokens
 
     seats_needed = max(0.0, running + waiting + 1 - S)
     wait = seats_needed * p.typical_output_tokens * p.step_s(S) / S
-    ahead = (waiting + seated) * p.typical_prompt_tokens
     work = ahead + max(uncached, 1)
     chunk = max(1.0, B - decoding)
     step = p.step_s(decoding)

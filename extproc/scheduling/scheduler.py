@@ -33,6 +33,9 @@ class Decision:
     prefix: PrefixMatch = NO_MATCH
     #: The policy's account of the pick (e.g. predicted TTFT), as response-header name -> value.
     notes: Mapping[str, str] = field(default_factory=dict)
+    #: The pick's predicted prefill: (uncached prompt tokens, seconds until its first token); (0, 0)
+    #: when the policy does not predict. Acquiring the lease with it keeps in-flight work exact.
+    prefill: tuple[int, float] = (0, 0.0)
 
     @property
     def destination(self) -> str:
@@ -102,6 +105,7 @@ class Scheduler:
             candidates = _fitting(catalog, route, candidates, match.prompt_tokens, max_tokens)
         facts = RequestFacts(route.upstream_model, match.prompt_tokens, max_tokens)
         notes: dict[str, str] = {}
+        prefill = (0, 0.0)
         if isinstance(self.policy, PredictedTTFT):
             ranking = self.policy.evaluate(facts, self._candidates(candidates, match), self._rng)
             if ranking.shed:
@@ -110,24 +114,42 @@ class Scheduler:
                     "full); retry shortly"
                 )
             ranked = ranking.candidates
-            notes["x-extproc-predicted-ttft-ms"] = f"{ranking.predictions[0].ttft_s * 1000:.1f}"
+            best = ranking.predictions[0]
+            notes["x-extproc-predicted-ttft-ms"] = f"{best.ttft_s * 1000:.1f}"
+            prefill = (best.uncached_tokens, best.ttft_s)
         else:
             ranked = self.policy.rank(facts, self._candidates(candidates, match), self._rng)
         picked = [c.endpoint for c in ranked[: self._count]]
         if self._prefix is not None and match is not NO_MATCH:
             self._prefix.record(match, picked[0].address)
-        return Decision(route=route, endpoints=tuple(picked), prefix=match, notes=notes)
+        return Decision(route=route, endpoints=tuple(picked), prefix=match, notes=notes, prefill=prefill)
 
     def _candidates(self, endpoints: Sequence[Endpoint], match: PrefixMatch) -> list[Candidate]:
-        count, cached = self._inflight.count, match.cached_tokens
-        return [
-            Candidate(e, count(e.address), cached.get(e.address, 0), self._signals(e.address))
-            for e in endpoints
-        ]
+        inflight, cached = self._inflight, match.cached_tokens
+        candidates = []
+        for e in endpoints:
+            tokens, requests = inflight.pending_prefill(e.address)
+            candidates.append(
+                Candidate(
+                    e,
+                    inflight.count(e.address),
+                    cached.get(e.address, 0),
+                    self._signals(e.address),
+                    pending_prefill_tokens=tokens,
+                    pending_prefills=requests,
+                )
+            )
+        return candidates
 
-    def acquire(self, address: EndpointAddress) -> Lease:
-        """Count a request against the endpoint it was sent to until the lease is released."""
-        return self._inflight.acquire(address)
+    def acquire(
+        self, address: EndpointAddress, *, prefill_tokens: int = 0, prefill_seconds: float = 0.0
+    ) -> Lease:
+        """Count a request against the endpoint it was sent to until the lease is released.
+
+        ``prefill_tokens`` / ``prefill_seconds``: the decision's predicted prefill, so the next
+        predictions charge this endpoint for it until it should be done.
+        """
+        return self._inflight.acquire(address, prefill_tokens=prefill_tokens, prefill_seconds=prefill_seconds)
 
     def models(self) -> list[tuple[str, str]]:
         """Every client-facing model name with the upstream name it resolves to, sorted."""

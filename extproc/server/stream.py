@@ -55,7 +55,9 @@ class Router(Protocol):
         max_tokens: int | None = None,
     ) -> Decision: ...
 
-    def acquire(self, address: EndpointAddress) -> Lease: ...
+    def acquire(
+        self, address: EndpointAddress, *, prefill_tokens: int = 0, prefill_seconds: float = 0.0
+    ) -> Lease: ...
 
     def models(self) -> list[tuple[str, str]]: ...
 
@@ -198,7 +200,10 @@ class RequestStream:
     ) -> ep.ProcessingResponse:
         """The answer carrying the destination, in the message kind the phase calls for."""
         self._done = True
-        self.lease = self._router.acquire(decision.endpoints[0].address)
+        tokens, seconds = decision.prefill
+        self.lease = self._router.acquire(
+            decision.endpoints[0].address, prefill_tokens=tokens, prefill_seconds=seconds
+        )
         extra: dict[str, str] = {}
         if decision.route is not None:
             extra[MODEL_HEADER] = decision.route.upstream_model

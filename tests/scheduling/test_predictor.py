@@ -324,3 +324,17 @@ def test_prediction_counts_a_block_aligned_cache_hit_like_the_simulator() -> Non
 
 def test_prediction_type_is_plain_data() -> None:
     assert Prediction(0.1, 10, 1, False) == Prediction(0.1, 10, 1, False)
+
+
+def test_our_pending_prefills_are_charged_exactly_without_signals() -> None:
+    """With no scrape, requests we routed still prefilling cost their real tokens; decoding ones do not."""
+    prefilling = replace(cand(1, in_flight=3), pending_prefill_tokens=30_000, pending_prefills=3)
+    decoding = replace(cand(2, in_flight=3), pending_prefill_tokens=0, pending_prefills=0)
+    request = facts(2_000)
+    slow = predict(request, prefilling, DEFAULT)
+    fast = predict(request, decoding, DEFAULT)
+    assert fast.ttft_s < slow.ttft_s
+    # The 30k tokens ahead take ~30000 / 16000 s of prefill on their own.
+    assert slow.ttft_s - fast.ttft_s > 1.5
+    ranked = policy().rank(request, [prefilling, decoding], random.Random(0))
+    assert order(ranked) == [decoding.endpoint.ip, prefilling.endpoint.ip]

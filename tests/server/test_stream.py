@@ -365,7 +365,9 @@ class _RankedRouter:
         ranks = {} if self.rank is None else {pick.address: self.rank}
         return Decision(route, (pick,), PrefixMatch("precise", {pick.address: 48}, 60, [], ranks))
 
-    def acquire(self, address: EndpointAddress) -> Lease:
+    def acquire(
+        self, address: EndpointAddress, *, prefill_tokens: int = 0, prefill_seconds: float = 0.0
+    ) -> Lease:
         return self.inflight.acquire(address)
 
     def models(self) -> list[tuple[str, str]]:

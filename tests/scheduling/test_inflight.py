@@ -1,0 +1,35 @@
+"""In-flight accounting: counts per endpoint, and the prefill work routed there that should still run."""
+
+from __future__ import annotations
+
+from extproc.scheduling.inflight import InFlight
+from extproc.types import EndpointAddress
+
+A = EndpointAddress("10.0.0.1:8000")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_pending_prefill_counts_until_its_predicted_end_then_decodes() -> None:
+    """A request's prefill tokens count until its predicted first token, and never after release."""
+    clock = Clock()
+    inflight = InFlight(clock)
+    long = inflight.acquire(A, prefill_tokens=8000, prefill_seconds=2.0)
+    short = inflight.acquire(A, prefill_tokens=500, prefill_seconds=0.5)
+    plain = inflight.acquire(A)
+    assert inflight.count(A) == 3
+    assert inflight.pending_prefill(A) == (8500, 2)
+    clock.now += 1.0
+    assert inflight.pending_prefill(A) == (8000, 1)
+    long.release()
+    assert inflight.pending_prefill(A) == (0, 0)
+    short.release()
+    plain.release()
+    long.release()
+    assert inflight.count(A) == 0 and inflight.pending_prefill(A) == (0, 0)
