@@ -58,9 +58,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--policy",
         choices=POLICIES,
-        default="cache-then-load",
-        help="how endpoints are ranked: cache-then-load (most cached prompt tokens, then fewest in flight), "
-        "least-in-flight, predicted-ttft (latency profiles; see --profiles)",
+        default="predicted-ttft",
+        help="how endpoints are ranked: predicted-ttft (default; latency profiles, see --profiles), "
+        "cache-then-load (most cached prompt tokens, then fewest in flight), least-in-flight",
     )
     p.add_argument(
         "--profiles",

@@ -104,10 +104,11 @@ class ServeSettings:
     #: Seconds to let in-flight streams finish on shutdown.
     drain_seconds: float = 5.0
     prefix: PrefixSettings = field(default_factory=PrefixSettings)
-    #: How endpoints are ranked: ``cache-then-load`` (most cached prompt tokens, then fewest in
-    #: flight), ``least-in-flight``, or ``predicted-ttft`` (lowest predicted time to first token from
-    #: the worker set's latency profile, cached prefix, signals and load; sheds with 429).
-    policy: str = "cache-then-load"
+    #: How endpoints are ranked: ``predicted-ttft`` (lowest predicted time to first token from the
+    #: worker set's latency profile, cached prefix, signals and load; sheds with 429; the default,
+    #: best in bench/results/replay.md), ``cache-then-load`` (most cached prompt tokens, then fewest
+    #: in flight) or ``least-in-flight``.
+    policy: str = "predicted-ttft"
     #: The latency profiles file (YAML, hot-reloaded); None = the built-in ``default`` profile only.
     profiles: Path | None = None
     #: Seconds between scrapes of every endpoint's Prometheus metrics; 0 turns scraping off.

@@ -122,7 +122,12 @@ def predict(request: RequestFacts, candidate: Candidate, profile: Profile) -> Pr
         waiting = queued + new - seated
         decoding = min(running, S)
         running += seated
-        ahead = (waiting + seated) * p.typical_prompt_tokens
+        # The engine's own queue costs a typical prompt each; the requests only we know of cost
+        # their recorded prefill when we track it (else a typical prompt each too).
+        ours = candidate.pending_prefill_tokens
+        ahead = queued * p.typical_prompt_tokens + (
+            new * p.typical_prompt_tokens if ours is None else ours / ranks
+        )
 
     seats_needed = max(0.0, running + waiting + 1 - S)
     wait = seats_needed * p.typical_output_tokens * p.step_s(S) / S
