@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -20,6 +21,36 @@ from extproc.types import EndpointAddress
 
 #: Seconds; a decision is normally well under a millisecond, so the buckets start at 100 µs.
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+class LogLimiter(Generic[K]):
+    """At most one log line per (subject, kind of problem) every ``interval`` seconds.
+
+    A broken engine or stream repeats its failure every poll or batch; the first occurrence is
+    worth a line, the next thousand are counted in metrics instead.
+    """
+
+    def __init__(self, clock: Callable[[], float], interval: float = 60.0) -> None:
+        self._clock = clock
+        self._interval = interval
+        self._last: dict[tuple[K, str], float] = {}
+
+    def allow(self, subject: K, kind: str) -> bool:
+        """True (and remembered) when this subject's problem of this kind may be logged now."""
+        now = self._clock()
+        last = self._last.get((subject, kind))
+        if last is not None and now - last < self._interval:
+            return False
+        self._last[(subject, kind)] = now
+        return True
+
+    def forget(self, subject: K) -> None:
+        """The subject is gone: drop its entries (memory stays bounded by what is followed)."""
+        for key in [k for k in self._last if k[0] == subject]:
+            del self._last[key]
 
 
 class Metrics:

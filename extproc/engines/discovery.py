@@ -29,6 +29,7 @@ from extproc.catalog.model import Catalog
 from extproc.engines.http import fetch_bounded
 from extproc.engines.waiting import sleep_or_wake
 from extproc.tasks import cancel_and_wait
+from extproc.telemetry import LogLimiter
 from extproc.types import EndpointAddress, ModelName
 
 __all__ = [
@@ -222,7 +223,7 @@ class ModelDiscovery:
         self._max_bytes = max_response_bytes
         self._follow_interval = follow_interval
         self._states: dict[EndpointAddress, _State] = {}
-        self._last_log: dict[tuple[EndpointAddress, str], float] = {}
+        self._log_limiter: LogLimiter[EndpointAddress] = LogLimiter(self._clock, LOG_INTERVAL)
         self._semaphore = asyncio.Semaphore(MAX_CONCURRENCY)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -297,8 +298,7 @@ class ModelDiscovery:
         changed = False
         for address in set(self._states) - set(targets):
             changed |= self._states.pop(address).result is not None
-            for key in [k for k in self._last_log if k[0] == address]:
-                del self._last_log[key]
+            self._log_limiter.forget(address)
         for address, target in targets.items():
             state = self._states.get(address)
             if state is None or state.url != target.url:
@@ -375,8 +375,5 @@ class ModelDiscovery:
             log.exception("model discovery on_change failed")
 
     def _log_sometimes(self, address: EndpointAddress, kind: str, error: str) -> None:
-        now = self._clock()
-        last = self._last_log.get((address, kind))
-        if last is None or now - last >= LOG_INTERVAL:
-            self._last_log[(address, kind)] = now
+        if self._log_limiter.allow(address, kind):
             log.warning("model discovery failed endpoint=%s error=%s", address, error)

@@ -23,6 +23,7 @@ from extproc.catalog.store import CatalogStore
 from extproc.engines.http import fetch_bounded
 from extproc.engines.signals import EngineSignals, MetricsParseError, parse_signals
 from extproc.tasks import cancel_and_wait
+from extproc.telemetry import LogLimiter
 from extproc.types import EndpointAddress
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class EngineScraper:
         self._clock = clock
         self._max_bytes = max_response_bytes
         self._states: dict[EndpointAddress, _State] = {}
-        self._last_log: dict[tuple[EndpointAddress, str], float] = {}
+        self._log_limiter: LogLimiter[EndpointAddress] = LogLimiter(self._clock, LOG_INTERVAL)
         self._task: asyncio.Task[None] | None = None
         self._semaphore = asyncio.Semaphore(MAX_CONCURRENCY)
         self.rounds = 0
@@ -190,8 +191,7 @@ class EngineScraper:
         urls = metrics_urls(catalog)
         for address in set(self._states) - set(urls):
             del self._states[address]
-            for key in [k for k in self._last_log if k[0] == address]:
-                del self._last_log[key]
+            self._log_limiter.forget(address)
         for address, url in urls.items():
             state = self._states.get(address)
             if state is None or state.url != url:
@@ -251,8 +251,5 @@ class EngineScraper:
         )
 
     def _log_sometimes(self, address: EndpointAddress, kind: str, error: str) -> None:
-        now = self._clock()
-        last = self._last_log.get((address, kind))
-        if last is None or now - last >= LOG_INTERVAL:
-            self._last_log[(address, kind)] = now
+        if self._log_limiter.allow(address, kind):
             log.warning("engine metrics scrape failed endpoint=%s error=%s", address, error)

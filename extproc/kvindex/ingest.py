@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from extproc.kvindex.decode import KVDecodeError, decode_batch
 from extproc.kvindex.events import Source
 from extproc.kvindex.index import PrefixIndex
+from extproc.telemetry import LogLimiter
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,10 @@ class IndexIngest:
     clock: Callable[[], float] = time.monotonic
     counters: IngestCounters = field(default_factory=IngestCounters)
     health: dict[Source, SourceHealth] = field(default_factory=dict)
-    _last_log: dict[tuple[Source, str], float] = field(default_factory=dict)
+    _log_limiter: LogLimiter[Source] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._log_limiter = LogLimiter(self.clock, LOG_INTERVAL)
 
     def on_batch(self, source: Source, seq: int, payload: bytes) -> None:
         try:
@@ -84,12 +88,8 @@ class IndexIngest:
     def forget(self, source: Source) -> None:
         """The source left the catalog: drop what we kept about it."""
         self.health.pop(source, None)
-        for key in [k for k in self._last_log if k[0] == source]:
-            del self._last_log[key]
+        self._log_limiter.forget(source)
 
     def _log_sometimes(self, source: Source, kind: str, message: str, *args: object) -> None:
-        now = self.clock()
-        last = self._last_log.get((source, kind))
-        if last is None or now - last >= LOG_INTERVAL:
-            self._last_log[(source, kind)] = now
+        if self._log_limiter.allow(source, kind):
             log.warning(message, *args)
