@@ -12,6 +12,20 @@ from pathlib import Path
 from typing import Any
 
 
+def _pooled(ub: dict[str, Any]) -> list[str]:
+    """The capacity reference line, when the run computed it."""
+    if "pooled_hit_rate_engine_blocks" not in ub:
+        return []
+    rate, bound = ub["pooled_hit_rate_engine_blocks"], ub["hit_rate_engine_blocks"]
+    return [
+        "",
+        f"**Capacity reference** (one LRU cache holding the whole fleet's "
+        f"{ub['pooled_capacity_tokens']:,} tokens, as if the engines pooled their memory and no block "
+        f"were ever held twice): {rate:.1%}, {rate / bound:.0%} of the upper bound. Past this, hit rate "
+        "is limited by cache capacity, not by routing.",
+    ]
+
+
 def _f(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -45,6 +59,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{ub['hit_rate_tokens']:.1%} of prompt tokens (token-exact), "
         f"{ub['hit_rate_engine_blocks']:.1%} counted as the engines count (whole 16-token blocks, "
         "at least one token recomputed).",
+        *_pooled(ub),
         "",
         "| policy | prefix input | hit rate | TTFT mean s | TTFT p50 s | TTFT p99 s | e2e p50 s | e2e p99 s "
         "| req/engine max/mean | req/engine CV | preemptions | errors |",

@@ -38,7 +38,7 @@ import orjson
 from bench.machine import machine
 from bench.replay import report
 from bench.replay.policies import ActiveBlocks, DynamoCost, GieLike, RoundRobin
-from bench.replay.trace import TraceRequest, load, prompt_tokens, summary, upper_bound
+from bench.replay.trace import TraceRequest, load, pooled_lru, prompt_tokens, summary, upper_bound
 from extproc.catalog.build import build_catalog
 from extproc.catalog.model import Catalog
 from extproc.catalog.resources import EndpointSlice, InferenceWorkerSet, Service, parse_object
@@ -474,6 +474,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     cfg = Config(args.engines, args.time_scale, args.output_cap, engine)
     vocab = shipped_tokenizer().vocab_size
     bound = upper_bound(requests, engine_block=16)
+    fleet_tokens = cfg.engines * args.gpu_blocks * 16
+    pooled = pooled_lru(requests, capacity_tokens=fleet_tokens, engine_block=16)
     result: dict[str, Any] = {
         "machine": machine(),
         "trace": {"path": str(args.trace), **summary(requests)},
@@ -491,6 +493,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             "hit_rate_tokens": bound.hit_rate,
             "hit_rate_engine_blocks": bound.engine_hit_rate,
             "prompt_tokens": bound.prompt_tokens,
+            "pooled_capacity_tokens": fleet_tokens,
+            "pooled_hit_rate_engine_blocks": pooled.engine_hit_rate,
         },
         "arms": [],
     }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -154,6 +155,45 @@ def upper_bound(requests: Iterable[TraceRequest], *, engine_block: int = 16) -> 
         hits += matched
         cap = min(matched, request.input_length - 1)
         engine_hits += max(cap, 0) // engine_block * engine_block
+    return UpperBound(total, hits, engine_hits)
+
+
+def pooled_lru(
+    requests: Iterable[TraceRequest], *, capacity_tokens: int, engine_block: int = 16
+) -> UpperBound:
+    """The hit rate of ONE LRU cache holding the whole fleet's capacity, fed the requests in order.
+
+    A reference for what capacity allows, not a strict bound: a router that never placed a block on
+    two engines and whose engines pooled their memory would see about this (LRU is not optimal
+    eviction). Counted like :func:`upper_bound`, with trace blocks (512 tokens) as the unit of
+    eviction: a request's blocks are touched (hits) or inserted (misses), then the least recently
+    used blocks are evicted until the cache fits ``capacity_tokens``.
+    """
+    cache: OrderedDict[int, int] = OrderedDict()  # chain id -> tokens held of that block
+    chain_ids: dict[tuple[int, int], int] = {}
+    used = total = hits = engine_hits = 0
+    for request in requests:
+        total += request.input_length
+        matched = 0
+        broken = False
+        parent = -1
+        for hash_id, length in zip(request.hash_ids, block_lengths(request), strict=False):
+            chain = chain_ids.setdefault((parent, hash_id), len(chain_ids))
+            held = cache.get(chain, 0)
+            if not broken:
+                got = min(held, length)
+                matched += got
+                broken = got < length
+            if length > held:
+                used += length - held
+                cache[chain] = length
+            cache.move_to_end(chain)
+            parent = chain
+        while used > capacity_tokens and cache:
+            _, evicted = cache.popitem(last=False)
+            used -= evicted
+        hits += matched
+        engine_hits += max(min(matched, request.input_length - 1), 0) // engine_block * engine_block
     return UpperBound(total, hits, engine_hits)
 
 

@@ -215,6 +215,11 @@ class PrefixIndex:
 
     # --- lookups -------------------------------------------------------------------------------
 
+    @property
+    def has_lower_tiers(self) -> bool:
+        """Some source holds blocks on an offload tier (CPU, storage): worth a second lookup."""
+        return bool(self._lower)
+
     def match(
         self, keys: Sequence[int], sources: Iterable[Source] | None = None, *, lower_tiers: bool = False
     ) -> dict[Source, int]:

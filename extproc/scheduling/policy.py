@@ -45,6 +45,8 @@ class Candidate:
     #: (None: not tracked; the rest of our in-flight requests are decoding).
     pending_prefill_tokens: int | None = None
     pending_prefills: int = 0
+    #: Prompt tokens right after ``cached_tokens`` held on an offload tier (CPU, storage).
+    lower_tier_tokens: int = 0
 
 
 class Policy(Protocol):

@@ -16,9 +16,11 @@ them: a request lands on one rank):
   engine already reports a queue, the rest wait. Running ``R = r0 + seated``, waiting ahead
   ``W = w0 + new - seated``; decoding ``D = min(r0, S)`` (scraped running requests are assumed past
   their prefill).
-* **Uncached prompt**: ``U = max(0, prompt_tokens - cached_tokens)`` (prompt unknown: ``T``, the
-  profile's typical prompt, 512 tokens by default). An engine always computes at least one token, so
-  prefill work uses ``max(U, 1)``.
+* **Uncached prompt**: ``U = max(0, prompt_tokens - C)`` with ``C = cached_tokens +
+  floor(lower_tier_hit_weight x lower_tier_tokens)``: tokens an offload tier holds right after the GPU
+  hit count at the profile's weight, since loading them back costs a fraction of recomputing them
+  (prompt unknown: ``T``, the profile's typical prompt, 512 tokens by default). An engine always
+  computes at least one token, so prefill work uses ``max(U, 1)``.
 * **Seat wait**: we need ``k = max(0, R + W + 1 - S)`` seats to free up. Each running request
   holds its seat ``O`` decode steps, so with a full batch a seat frees every ``O x step(S) / S``:
   ``wait = k x O x step(S) / S``.
@@ -96,7 +98,8 @@ def predict(request: RequestFacts, candidate: Candidate, profile: Profile) -> Pr
     """Predict ``candidate``'s TTFT for ``request`` (formulas in the module docstring)."""
     p = profile
     prompt = request.prompt_tokens if request.prompt_tokens is not None else p.typical_prompt_tokens
-    uncached = max(0, prompt - max(0, candidate.cached_tokens))
+    cached = effective_cached_tokens(candidate.cached_tokens, candidate.lower_tier_tokens, p)
+    uncached = max(0, prompt - cached)
     signals = candidate.signals
     r0 = w0 = 0
     ranks = 1

@@ -55,6 +55,9 @@ class PrefixMatch:
     approx_keys: list[int] = field(default_factory=list)
     #: For pods with several data-parallel ranks: the rank holding the cached prefix, per endpoint.
     ranks: dict[EndpointAddress, int] = field(default_factory=dict)
+    #: Prompt tokens right after the GPU hit that an offload tier (CPU, storage) holds, per endpoint
+    #: (precise mode only; absent = 0). Loading them back is cheaper than recomputing them.
+    lower_tier_tokens: dict[EndpointAddress, int] = field(default_factory=dict)
 
 
 NO_MATCH = PrefixMatch("none")
@@ -93,10 +96,11 @@ class PrefixScorer:
         mode: PrefixMode = "none"
         cached: dict[EndpointAddress, int] = {}
         ranks: dict[EndpointAddress, int] = {}
+        lower: dict[EndpointAddress, int] = {}
         tokens = self._tokens(route.upstream_model, prompt) if precise else None
         if tokens is not None:
             mode = "precise"
-            self._match_precise(catalog, route.upstream_model, tokens, precise, cached, ranks)
+            self._match_precise(catalog, route.upstream_model, tokens, precise, cached, ranks, lower)
         else:
             rest = list(candidates)
         keys: list[int] = []
@@ -110,7 +114,7 @@ class PrefixScorer:
                 mode = "approximate" if mode == "none" else mode
                 cached.update(self.approx.match(keys, [e.address for e in rest]))
         self.counters.lookups[mode] += 1
-        return PrefixMatch(mode, cached, prompt_tokens, keys, ranks)
+        return PrefixMatch(mode, cached, prompt_tokens, keys, ranks, lower)
 
     def record(self, match: PrefixMatch, endpoint: EndpointAddress) -> None:
         """Learn from a decision (approximate mode only: precise mode learns from the engines)."""
@@ -136,11 +140,13 @@ class PrefixScorer:
         endpoints: list[Endpoint],
         cached: dict[EndpointAddress, int],
         ranks: dict[EndpointAddress, int],
+        lower: dict[EndpointAddress, int],
     ) -> None:
         """Cached tokens per endpoint: its best data-parallel rank's leading blocks x block size.
 
         The rank is reported only for pods with several ranks and a hit, so the engine's own load
-        balancer still spreads requests that no rank has cached.
+        balancer still spreads requests that no rank has cached. When any engine offloads to a lower
+        tier, ``lower`` gets, for that rank, the tokens an offload tier holds past the GPU hit.
         """
         seed = namespace_seed(model)
         groups: dict[int, list[Source]] = {}
@@ -154,6 +160,7 @@ class PrefixScorer:
                     multi_rank.add(endpoint.address)
         token_tuple = tuple(tokens)
         best: dict[EndpointAddress, tuple[int, int]] = {}
+        any_tier: dict[Source, int] = {}
         for block_size, sources in groups.items():
             keys = block_keys(token_tuple, block_size, seed)
             for source, blocks in self.index.match(keys, sources).items():
@@ -161,7 +168,13 @@ class PrefixScorer:
                 current = best.get(source.endpoint)
                 if current is None or held > current[0]:
                     best[source.endpoint] = (held, source.dp_rank)
+            if self.index.has_lower_tiers:
+                for source, blocks in self.index.match(keys, sources, lower_tiers=True).items():
+                    any_tier[source] = blocks * block_size
         for address, (held, rank) in best.items():
             cached[address] = held
             if held and address in multi_rank:
                 ranks[address] = rank
+            offloaded = any_tier.get(Source(address, rank), 0) - held
+            if offloaded > 0:
+                lower[address] = offloaded

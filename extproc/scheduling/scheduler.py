@@ -137,6 +137,7 @@ class Scheduler:
                     self._signals(e.address),
                     pending_prefill_tokens=tokens,
                     pending_prefills=requests,
+                    lower_tier_tokens=match.lower_tier_tokens.get(e.address, 0),
                 )
             )
         return candidates

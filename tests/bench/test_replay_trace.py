@@ -18,6 +18,7 @@ from bench.replay.trace import (
     block_lengths,
     block_tokens,
     load,
+    pooled_lru,
     prompt_tokens,
     upper_bound,
 )
@@ -83,3 +84,18 @@ def test_load_slices_and_rebases(tmp_path: Path) -> None:
     assert [r.index for r in got] == [1, 2]
     assert [r.arrival_s for r in got] == [0.0, 1.0]
     assert got[0].hash_ids == (1,)
+
+
+def test_pooled_lru_matches_the_unbounded_cache_when_everything_fits() -> None:
+    requests = [req(0, 1200, 1, 2, 3), req(1, 1100, 1, 2, 4), req(2, 600, 1, 5), req(3, 1500, 1, 2, 3)]
+    unbounded = upper_bound(requests)
+    roomy = pooled_lru(requests, capacity_tokens=10**9)
+    assert (roomy.hit_tokens, roomy.engine_hit_tokens) == (unbounded.hit_tokens, unbounded.engine_hit_tokens)
+    assert pooled_lru(requests, capacity_tokens=0).hit_tokens == 0
+
+
+def test_pooled_lru_evicts_the_least_recently_used_blocks() -> None:
+    """Room for two 512-token blocks: the chain touched last survives, the older one does not."""
+    a, b = req(0, 1024, 1, 2), req(1, 1024, 3, 4)
+    assert pooled_lru([a, b, req(2, 1024, 3, 4)], capacity_tokens=1024).hit_tokens == 1024
+    assert pooled_lru([a, b, req(2, 1024, 1, 2)], capacity_tokens=1024).hit_tokens == 0

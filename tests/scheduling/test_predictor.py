@@ -128,6 +128,17 @@ def test_effective_cached_tokens_weights_lower_tiers() -> None:
 # -- ranking --------------------------------------------------------------------------------------------
 
 
+def test_offloaded_prefix_beats_a_cold_pod_but_not_the_same_prefix_on_gpu() -> None:
+    prompt = facts(4096)
+    cold = cand(1, in_flight=2)
+    offloaded = replace(cand(2, in_flight=2), lower_tier_tokens=3072)
+    on_gpu = cand(3, in_flight=2, cached=3072)
+    ttft = {c.endpoint.address: predict(prompt, c, DEFAULT).ttft_s for c in (cold, offloaded, on_gpu)}
+    assert ttft[on_gpu.endpoint.address] < ttft[offloaded.endpoint.address] < ttft[cold.endpoint.address]
+    ignore_lower = replace(DEFAULT, lower_tier_hit_weight=0.0)
+    assert predict(prompt, offloaded, ignore_lower).ttft_s == predict(prompt, cold, ignore_lower).ttft_s
+
+
 def test_cache_hit_wins_when_loads_are_equal() -> None:
     for seed in range(20):
         for sig in (None, signals(6, 0)):

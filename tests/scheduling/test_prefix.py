@@ -118,8 +118,18 @@ class Router:
         candidates = [e for e in route.endpoints if only is None or e.address in only]
         return self.scorer.match(self.catalog, route, PromptInput(path, payload), candidates)
 
-    def feed(self, address: str, tokens: Sequence[int], blocks: int, *, engine_block: int = 16) -> None:
-        """The engine at ``address`` cached ``blocks`` engine blocks of ``tokens`` (vLLM's bytes)."""
+    def feed(
+        self,
+        address: str,
+        tokens: Sequence[int],
+        blocks: int,
+        *,
+        engine_block: int = 16,
+        first: int = 0,
+        medium: str = "GPU",
+    ) -> None:
+        """The engine at ``address`` cached engine blocks ``first`` to ``blocks - 1`` of ``tokens``
+        (vLLM's bytes hashes) on ``medium``."""
         digests = [hashlib.sha256(f"{address}/{i}".encode()).digest() for i in range(blocks)]
         events = [
             BlockStored(
@@ -129,8 +139,9 @@ class Router:
                 engine_block,
                 None,
                 None,
+                medium=medium,
             )
-            for i in range(blocks)
+            for i in range(first, blocks)
         ]
         payload = encode_batch(events, ts=1.0, dp_rank=0, encoding="maps", hash_format="int")
         self.ingest.on_batch(Source(EndpointAddress(address), 0), self._seq, payload)
@@ -348,3 +359,30 @@ def test_data_parallel_pod_reports_the_rank_holding_the_prefix() -> None:
     match = scorer.match(catalog, route, PromptInput(path, payload), route.endpoints)
     assert match.cached_tokens == {EndpointAddress("10.0.9.1:8000"): 48, EndpointAddress("10.0.9.2:8000"): 0}
     assert match.ranks == {EndpointAddress("10.0.9.1:8000"): 1}
+
+
+def test_offloaded_blocks_after_the_gpu_hit_are_reported_per_endpoint() -> None:
+    """CPU-tier blocks extend an endpoint's prefix as lower-tier tokens; GPU hits stay as they were."""
+    router = Router()
+    path, payload = PROMPTS[0]
+    tokens = engine_tokens(path, payload)
+    assert len(tokens) >= 5 * 16
+    a, b, c = (str(e.address) for e in router.route(LLAMA).endpoints[:3])
+    router.feed(a, tokens, 2)  # GPU: blocks 0-1
+    router.feed(a, tokens, 5, first=2, medium="CPU")  # CPU: blocks 2-4
+    router.feed(b, tokens, 3, medium="CPU")  # CPU only: blocks 0-2
+    match = router.match(LLAMA, path, payload)
+    assert match.cached_tokens[EndpointAddress(a)] == 32
+    assert match.cached_tokens[EndpointAddress(b)] == 0
+    assert match.lower_tier_tokens == {EndpointAddress(a): 48, EndpointAddress(b): 48}
+    assert EndpointAddress(c) not in match.lower_tier_tokens
+
+
+def test_without_offload_tiers_no_lower_tier_tokens_are_reported() -> None:
+    router = Router()
+    path, payload = PROMPTS[0]
+    a = str(router.route(LLAMA).endpoints[0].address)
+    router.feed(a, engine_tokens(path, payload), 3)
+    match = router.match(LLAMA, path, payload)
+    assert match.cached_tokens[EndpointAddress(a)] == 48
+    assert match.lower_tier_tokens == {}
