@@ -44,6 +44,7 @@ from extproc.catalog.model import Catalog
 from extproc.catalog.resources import EndpointSlice, InferenceWorkerSet, Service, parse_object
 from extproc.catalog.store import CatalogStore
 from extproc.demo.catalog import LocalWorkerSet, catalog_documents, kv_ports_of
+from extproc.engines.scraper import EngineScraper
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.policy import CacheThenLoad, LeastInFlight, Policy
 from extproc.scheduling.prefix import PromptInput
@@ -217,6 +218,9 @@ class Config:
     output_cap: int
     engine: dict[str, Any] = field(default_factory=dict)
     seed: int = 1
+    #: Scrape each engine's /metrics every this many simulated seconds (the router's default 1 s
+    #: scaled with the trace clock); 0 = no engine signals.
+    scrape_interval: float = 1.0
 
 
 async def run_arm(arm: Arm, requests: list[TraceRequest], cfg: Config, vocab: int) -> dict[str, Any]:
@@ -266,6 +270,10 @@ async def _replay(
     routing = PrefixRouting(PrefixSettings(tokenizers=(TokenizerSpec(MODEL, SHIPPED_TOKENIZER),)), store)
     routing.start()
     store.publish(_catalog(worker_set))
+    scraper = None
+    if cfg.scrape_interval > 0:
+        scraper = EngineScraper(store, interval=cfg.scrape_interval * cfg.time_scale)
+        scraper.start()
     scheduler = Scheduler(
         lambda: store.current,
         InFlight(),
@@ -273,6 +281,7 @@ async def _replay(
         rng=random.Random(cfg.seed),
         prefix=routing.scorer,
         policy=arm.policy,
+        signals=None if scraper is None else scraper.usable,
     )
     sent: list[Sent] = []
     loop = asyncio.get_running_loop()
@@ -298,6 +307,8 @@ async def _replay(
         lookups = dict(routing.scorer.counters.lookups)
     finally:
         await routing.close()
+        if scraper is not None:
+            await scraper.close()
     return {
         "name": arm.name,
         "prefix_mode": "approximate" if arm.approximate else "precise",
@@ -455,6 +466,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--time-scale", type=float, default=0.12, help="wall seconds per simulated second")
     p.add_argument("--output-cap", type=int, default=512, help="max_tokens = min(output_length, this)")
     p.add_argument("--gpu-blocks", type=int, default=24_000, help="KV blocks of 16 tokens per engine")
+    p.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=1.0,
+        help="simulated seconds between scrapes of each engine's /metrics; 0 = no engine signals (1)",
+    )
     p.add_argument("--only", nargs="*", help="run only the policies whose names start with these")
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--out", type=Path, default=REPO / "bench/results/replay.json")
@@ -471,7 +488,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         # Mooncake prompts reach ~126k tokens: a 128k context, like the models the trace came from.
         "max_model_len": 131_072,
     }
-    cfg = Config(args.engines, args.time_scale, args.output_cap, engine)
+    cfg = Config(args.engines, args.time_scale, args.output_cap, engine, scrape_interval=args.scrape_interval)
     vocab = shipped_tokenizer().vocab_size
     bound = upper_bound(requests, engine_block=16)
     fleet_tokens = cfg.engines * args.gpu_blocks * 16
@@ -487,7 +504,12 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             "vocab_size": vocab,
             "transport": "bench -> engine HTTP directly (no Envoy), streaming /v1/completions, "
             "token-id prompts",
-            "engine_signals": "none (policies see our in-flight counts and prefix matches only)",
+            "engine_signals": (
+                f"each engine's /metrics scraped every {cfg.scrape_interval:g} simulated s "
+                "(running, waiting, KV usage; the router's default interval on the trace clock)"
+                if cfg.scrape_interval > 0
+                else "none (policies see our in-flight counts and prefix matches only)"
+            ),
         },
         "upper_bound": {
             "hit_rate_tokens": bound.hit_rate,
