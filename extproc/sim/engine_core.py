@@ -24,10 +24,24 @@ and the final token's KV is never cached, as in vLLM.
 
 Step duration = ``decode_base_s + decode_per_seq_s * decode_seqs + prefill_tokens / prefill_tokens_per_s``
 for a step that did any work. Attention cost growing with context length is not modelled.
+
+With a CPU offload tier (``cpu_offload_blocks``), admission follows vLLM's OffloadingConnector: the
+prefix hit continues past the GPU hit into the CPU tier; a request with a CPU hit gets GPU blocks for
+its hits and the loaded span, leaves the queue without taking a seat or budget and waits for an
+asynchronous CPU->GPU load (vLLM's WAITING_FOR_REMOTE_KVS). Loads share one PCIe link: each takes
+``tokens / cpu_load_tokens_per_s`` after the previous one ends, overlapping the other requests'
+steps. At the first step starting after its load ended, the request's loaded blocks are cached on
+the GPU and it goes back to the front of the queue, to be scheduled like a request with that much
+GPU hit. Its TTFT therefore includes the load, and ``num_waiting`` counts it meanwhile, as vLLM's
+does. When nothing can run but loads are in flight, :meth:`EngineCore.step` returns an *idle* step
+lasting until the next load ends.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -62,6 +76,11 @@ class EngineParams:
     decode_per_seq_s: float = 0.000_15
     #: Block size the KV events use (a multiple of block_size); None means block_size.
     published_block_size: int | None = None
+    #: CPU offload tier size, in published blocks (0: no tier). 2 MiB per 16-token block, so
+    #: 96 000 blocks is ~200 GB of host memory (about 4x the GPU's KV) -- see the README.
+    cpu_offload_blocks: int = 0
+    #: CPU->GPU load speed: 128 KiB of KV per token over ~50 GB/s of effective PCIe Gen5 x16.
+    cpu_load_tokens_per_s: float = 380_000.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -84,6 +103,19 @@ class EngineParams:
             raise ConfigError(
                 f"engine published_block_size must be a multiple of block_size {self.block_size}, "
                 f"got {published!r}"
+            )
+        cpu = self.cpu_offload_blocks
+        if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 0:
+            raise ConfigError(f"engine cpu_offload_blocks must be an integer >= 0, got {cpu!r}")
+        rate = self.cpu_load_tokens_per_s
+        if not (rate > 0 and math.isfinite(rate)):
+            raise ConfigError(f"engine cpu_load_tokens_per_s must be > 0, got {rate!r}")
+        cpu_tokens = cpu * (published or self.block_size)
+        if cpu and cpu_tokens < self.max_model_len:
+            # Otherwise a long request's blocks could never be stored at all (vLLM skips the store).
+            raise ConfigError(
+                f"engine cpu_offload_blocks {cpu} x {published or self.block_size} tokens cannot hold "
+                f"one max_model_len {self.max_model_len} sequence; use 0 for no CPU tier"
             )
         if self.num_gpu_blocks * self.block_size < self.max_model_len:
             # vLLM refuses to start when one max-length sequence cannot fit in the KV cache.
@@ -137,6 +169,8 @@ class StepResult:
     events: list[KVEvent] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_seqs: int = 0
+    #: Nothing ran: the step only waits ``duration`` for a CPU->GPU load; new arrivals may end it early.
+    idle: bool = False
 
 
 class _Req:
@@ -146,6 +180,7 @@ class _Req:
         "capacity",
         "first_scheduled",
         "hashes",
+        "loading",
         "num_cached_tokens",
         "num_computed",
         "num_output",
@@ -170,6 +205,8 @@ class _Req:
         self.num_cached_tokens = 0
         self.first_scheduled: float | None = None
         self.preempted = False
+        #: A CPU->GPU load of its first num_computed tokens is in flight.
+        self.loading = False
 
 
 class EngineCore:
@@ -178,10 +215,20 @@ class EngineCore:
     def __init__(self, params: EngineParams | None = None) -> None:
         self.params = params if params is not None else EngineParams()
         p = self.params
-        self.cache = PrefixCache(p.num_gpu_blocks, p.block_size, published_block_size=p.published_block_size)
+        self.cache = PrefixCache(
+            p.num_gpu_blocks,
+            p.block_size,
+            published_block_size=p.published_block_size,
+            cpu_blocks=p.cpu_offload_blocks,
+        )
         self._requests: dict[str, _Req] = {}
         self._waiting: deque[_Req] = deque()
         self._running: list[_Req] = []
+        #: Requests waiting for a CPU->GPU load: (model time it ends, tie-breaker, request).
+        self._loading: list[tuple[float, int, _Req]] = []
+        self._load_ids = itertools.count()
+        #: Model time the PCIe link is free for the next load (loads are serialized on it).
+        self._link_free_at = 0.0
         #: (request, tokens) scheduled by the step in progress, and its latency inputs.
         self._scheduled: list[tuple[_Req, int]] = []
         self._num_prefill_tokens = 0
@@ -190,6 +237,10 @@ class EngineCore:
         self.num_preemptions = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        #: Prompt tokens loaded from the CPU tier instead of computed, and the model seconds the loads
+        #: took (preempted requests' reloads included, unlike the external-hit counter).
+        self.cpu_loaded_tokens = 0
+        self.cpu_load_seconds = 0.0
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -214,8 +265,14 @@ class EngineCore:
         r = self._requests.pop(request_id, None)
         if r is None:
             return False
-        if r in self._waiting:
+        if r.loading:
+            self._loading = [entry for entry in self._loading if entry[2] is not r]
+            heapq.heapify(self._loading)
+            self.cache.free(request_id)
+        elif r in self._waiting:
             self._waiting.remove(r)
+            if r.num_computed:  # loaded from the CPU tier, not scheduled yet: it holds blocks
+                self.cache.free(request_id)
         else:
             self._running.remove(r)
             self.cache.free(request_id)
@@ -225,7 +282,7 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._running or self._waiting)
+        return bool(self._running or self._waiting or self._loading)
 
     @property
     def num_running(self) -> int:
@@ -233,7 +290,12 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Queued requests, those waiting for a CPU->GPU load included (vLLM counts them waiting)."""
+        return len(self._waiting) + len(self._loading)
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loading)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -247,6 +309,21 @@ class EngineCore:
     def prefix_cache_hits(self) -> int:
         return self.cache.hits
 
+    @property
+    def external_prefix_cache_queries(self) -> int:
+        """Prompt tokens past the GPU hit looked up in the CPU tier (0 without one)."""
+        return self.cache.external_queries
+
+    @property
+    def external_prefix_cache_hits(self) -> int:
+        """Prompt tokens found in the CPU tier past the GPU hit, at first scheduling (0 without one)."""
+        return self.cache.external_hits
+
+    @property
+    def cpu_cache_blocks(self) -> int:
+        """Blocks the CPU tier holds (published granularity)."""
+        return 0 if self.cache.cpu is None else len(self.cache.cpu)
+
     def reset_prefix_cache(self) -> bool:
         """Clear the prefix cache; False (nothing changed) while any request holds blocks."""
         return self.cache.reset()
@@ -256,10 +333,15 @@ class EngineCore:
     def step(self, now: float) -> StepResult:
         """Run one engine step starting at model time ``now``; duration 0 when nothing could run."""
         p = self.params
+        if self._loading:
+            self._finish_loads(now)
         budget, preempted = self._schedule_running(p.max_num_batched_tokens)
         if not preempted:
             self._admit_waiting(budget, now)
         if not self._scheduled:
+            if self._loading:  # only loads are in flight: wait for the first to end
+                wait = self._loading[0][0] - now
+                return StepResult(now, wait, events=self.cache.take_events(), idle=True)
             return StepResult(now, 0.0, events=self.cache.take_events())
         prefill, decode = self._num_prefill_tokens, self._num_decode_seqs
         duration = p.decode_base_s + p.decode_per_seq_s * decode + prefill / p.prefill_tokens_per_s
@@ -307,22 +389,46 @@ class EngineCore:
         """Admit waiting requests FIFO while seats, budget and blocks for their first chunk last."""
         cache, running, waiting = self.cache, self._running, self._waiting
         block_size, max_seqs = self.params.block_size, self.params.max_num_seqs
+        cpu_tier = cache.cpu is not None
         while waiting and budget > 0 and len(running) < max_seqs:
             r = waiting[0]
             num_tokens = len(r.tokens)
-            hit_blocks = cache.longest_hit(r.hashes, num_tokens)
-            hit = hit_blocks * block_size
-            n = min(num_tokens - hit, budget)
             req = r.req
-            if not cache.allocate(
-                r.request_id, r.hashes, hit_blocks, hit + n, lora_name=req.lora_name, lora_id=req.lora_id
-            ):
-                break  # head-of-line: later requests wait too, like vLLM
+            if r.num_computed:
+                # Back from a CPU->GPU load: it holds its blocks, all cached; schedule the rest.
+                hit = r.num_computed
+                n = min(num_tokens - hit, budget)
+                if not cache.grow(r.request_id, hit + n):
+                    break
+            else:
+                hit_blocks = cache.longest_hit(r.hashes, num_tokens)
+                loaded = cache.cpu_hit(r.hashes, hit_blocks, num_tokens) if cpu_tier else 0
+                hit = hit_blocks * block_size
+                if loaded:
+                    # vLLM allocates for the hits and the loaded span only, and schedules no work yet.
+                    held = (hit_blocks + loaded) * block_size
+                    if not cache.allocate(
+                        r.request_id,
+                        r.hashes,
+                        hit_blocks,
+                        held,
+                        lora_name=req.lora_name,
+                        lora_id=req.lora_id,
+                        num_loaded_blocks=loaded,
+                    ):
+                        break
+                    waiting.popleft()
+                    self._record_admission(r, num_tokens, hit, loaded * block_size)
+                    self._start_load(r, held, loaded * block_size, now)
+                    continue
+                n = min(num_tokens - hit, budget)
+                if not cache.allocate(
+                    r.request_id, r.hashes, hit_blocks, hit + n, lora_name=req.lora_name, lora_id=req.lora_id
+                ):
+                    break  # head-of-line: later requests wait too, like vLLM
+                self._record_admission(r, num_tokens, hit, 0)
             waiting.popleft()
-            if not r.preempted:
-                # vLLM counts queries of preempted requests separately, outside the Prometheus counters.
-                cache.record_query(num_tokens, hit)
-                r.num_cached_tokens = hit
+            if not r.preempted and r.first_scheduled is None:
                 r.first_scheduled = now
             r.num_computed = hit
             r.capacity = -(-(hit + n) // block_size) * block_size
@@ -330,6 +436,36 @@ class EngineCore:
             self._scheduled.append((r, n))
             self._num_prefill_tokens += n
             budget -= n
+
+    def _record_admission(self, r: _Req, num_tokens: int, gpu_hit: int, cpu_hit: int) -> None:
+        """Count a first admission's lookups (vLLM keeps preempted requests' out of the counters)."""
+        if r.preempted:
+            return
+        self.cache.record_query(num_tokens, gpu_hit)
+        if self.cache.cpu is not None:
+            self.cache.record_external_query(num_tokens - gpu_hit, cpu_hit)
+        r.num_cached_tokens = gpu_hit + cpu_hit  # vLLM's num_cached_tokens: local + external
+
+    def _start_load(self, r: _Req, held: int, tokens: int, now: float) -> None:
+        """Queue a CPU->GPU load of ``tokens``; the request holds its first ``held`` tokens' blocks."""
+        start = max(now, self._link_free_at)
+        seconds = tokens / self.params.cpu_load_tokens_per_s
+        end = self._link_free_at = start + seconds
+        r.num_computed = r.capacity = held
+        r.loading = True
+        heapq.heappush(self._loading, (end, next(self._load_ids), r))
+        self.cpu_loaded_tokens += tokens
+        self.cpu_load_seconds += seconds
+
+    def _finish_loads(self, now: float) -> None:
+        """Loads that ended by ``now``: cache their blocks on the GPU, requeue them at the front in order."""
+        done: list[_Req] = []
+        while self._loading and self._loading[0][0] <= now:
+            r = heapq.heappop(self._loading)[2]
+            r.loading = False
+            self.cache.finish_load(r.request_id, r.hashes, r.tokens, r.num_computed)
+            done.append(r)
+        self._waiting.extendleft(reversed(done))
 
     def _advance(self, end: float) -> list[RequestOutput]:
         """Apply the computed tokens: sample where a request caught up, cache full blocks, finish."""
@@ -374,7 +510,10 @@ class EngineCore:
         self.prompt_tokens += len(r.req.prompt_token_ids)
 
     def _preempt(self, r: _Req) -> None:
-        """vLLM's recompute preemption: free everything, retry first, keep the tokens already sent."""
+        """vLLM's recompute preemption: free everything, retry first, keep the tokens already sent.
+
+        Its blocks usually come back as GPU hits, or as a CPU-tier load if they were evicted.
+        """
         self.cache.free(r.request_id)
         r.num_computed = 0
         r.capacity = 0

@@ -11,6 +11,8 @@ the wall clock follows at ``time_scale`` wall seconds per model second (0.01 = 1
   produced them. A consumer that cancels or leaves aborts its request, which frees its blocks.
 * ``publish(events, wall_ts)`` is called once per step that produced KV events.
 * Idle costs nothing: the task waits on an :class:`asyncio.Event` set by :meth:`EngineLoop.submit`.
+  An *idle step* (nothing runs, a CPU->GPU load is in flight) waits for its end or for an arrival,
+  whichever comes first, so a request arriving meanwhile is scheduled when it arrives.
 """
 
 from __future__ import annotations
@@ -231,8 +233,29 @@ class EngineLoop:
                 self._deadline = self._clock()
             result = core.step((self._deadline - self._origin) / scale)
             self._deadline += result.duration * scale
+            if result.idle:
+                self._deliver(result)
+                await self._idle_until(self._deadline)
+                continue
             await self._wait_until(self._deadline)
             self._deliver(result)
+
+    async def _idle_until(self, deadline: float) -> None:
+        """Wait for ``deadline`` or a submit; the next step starts then (model time = wall time)."""
+        self._wake.clear()
+        delay = deadline - self._clock()
+        if delay >= MIN_SLEEP_S:
+            sleeper = asyncio.ensure_future(self._sleep(delay))
+            waker = asyncio.ensure_future(self._wake.wait())
+            try:
+                await asyncio.wait((sleeper, waker), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (sleeper, waker):
+                    task.cancel()
+                await asyncio.gather(sleeper, waker, return_exceptions=True)
+            self._deadline = min(self._clock(), deadline)
+        else:
+            await self._wait_until(deadline)
 
     async def _wait_until(self, deadline: float) -> None:
         delay = deadline - self._clock()

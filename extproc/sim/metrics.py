@@ -40,6 +40,12 @@ class RankStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    #: The CPU offload tier's part of prefix lookups, in tokens (0 without a tier).
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    #: Blocks the CPU tier holds, and its capacity (0 without a tier): ``/sim/state`` only.
+    cpu_cache_blocks: int = 0
+    cpu_cache_capacity: int = 0
 
 
 class _EngineStateCollector(Collector):
@@ -74,6 +80,19 @@ class _EngineStateCollector(Collector):
                 "Prefix cache hits, in terms of number of cached tokens.",
                 labels=labels,
             ),
+            # vLLM registers these whether or not a KV connector is configured (0 without one).
+            "external_queries": CounterMetricFamily(
+                "vllm:external_prefix_cache_queries",
+                "External prefix cache queries from KV connector cross-instance cache sharing, "
+                "in terms of number of queried tokens.",
+                labels=labels,
+            ),
+            "external_hits": CounterMetricFamily(
+                "vllm:external_prefix_cache_hits",
+                "External prefix cache hits from KV connector cross-instance cache sharing, "
+                "in terms of number of cached tokens.",
+                labels=labels,
+            ),
             "preemptions": CounterMetricFamily(
                 "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels=labels
             ),
@@ -96,6 +115,8 @@ class _EngineStateCollector(Collector):
             gauges["usage"].add_metric(values, rank.kv_cache_usage)
             counters["queries"].add_metric(values, rank.prefix_cache_queries)
             counters["hits"].add_metric(values, rank.prefix_cache_hits)
+            counters["external_queries"].add_metric(values, rank.external_prefix_cache_queries)
+            counters["external_hits"].add_metric(values, rank.external_prefix_cache_hits)
             counters["preemptions"].add_metric(values, rank.num_preemptions)
             counters["prompt"].add_metric(values, rank.prompt_tokens)
             counters["generation"].add_metric(values, rank.generation_tokens)

@@ -11,6 +11,9 @@ Faithful where a KV-aware router depends on it (``v1/core/block_pool.py``, ``kv_
 * Two physical blocks may hold the same hash (two requests computed the same block concurrently);
   each copy is announced and each eviction is announced, so subscribers must ref-count per hash.
 * A lookup never covers the whole prompt: at least one token is recomputed (vLLM needs logits).
+* Optionally a CPU offload tier (:mod:`extproc.sim.cpu_tier`) below the GPU pool: blocks are written
+  through to it as they are cached, and a lookup continues into it past the GPU hit; loaded blocks
+  are cached on the GPU again when their load completes (:meth:`PrefixCache.finish_load`).
 
 The hash is our own (sha256 over a fixed byte layout), not vLLM's pickle/CBOR: routers must treat
 engine hashes as opaque handles and hash the events' ``token_ids`` themselves (reference §2.2).
@@ -24,6 +27,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from extproc.sim.cpu_tier import CpuTier
 from extproc.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 #: vLLM 0.29+'s fixed seed for the parent of the first block when PYTHONHASHSEED is unset.
@@ -74,6 +78,10 @@ class _Seq:
     num_cached: int
     lora_name: str | None
     lora_id: int | None
+    #: Leading offloaded (published-size) blocks already stored to, or loaded from, the CPU tier.
+    num_offloaded: int = 0
+    #: CPU-tier keys this request is loading (pinned there until :meth:`PrefixCache.finish_load`).
+    loading: tuple[bytes, ...] = ()
 
 
 class PrefixCache:
@@ -81,11 +89,19 @@ class PrefixCache:
 
     ``published_block_size`` (a multiple k of ``block_size``) models vLLM 0.12+ KV groups whose
     blocks are coarser than the hash granularity: events then describe aligned groups of k blocks
-    (see :class:`GroupPublisher`). All state is bounded by ``num_blocks``
-    except the pending events, which the engine takes once per step.
+    (see :class:`GroupPublisher`); a CPU tier of ``cpu_blocks`` offloads at that size too. All state
+    is bounded by ``num_blocks`` and ``cpu_blocks`` except the pending events, which the engine takes
+    once per step.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, published_block_size: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        published_block_size: int | None = None,
+        cpu_blocks: int = 0,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         published = block_size if published_block_size is None else published_block_size
@@ -105,9 +121,15 @@ class PrefixCache:
         self._seqs: dict[str, _Seq] = {}
         self._events: list[KVEvent] = []
         self._groups = GroupPublisher(published // block_size) if published > block_size else None
+        #: GPU blocks per offloaded block.
+        self._k = published // block_size
+        self.cpu = CpuTier(cpu_blocks, published) if cpu_blocks else None
         #: Prompt tokens looked up and tokens found cached (vLLM's prefix_cache_queries / _hits).
         self.queries = 0
         self.hits = 0
+        #: The same past the GPU hit, for the CPU tier (vLLM's external_prefix_cache_queries / _hits).
+        self.external_queries = 0
+        self.external_hits = 0
 
     # -- accounting ------------------------------------------------------------------------------
 
@@ -132,9 +154,18 @@ class PrefixCache:
             return self._groups.cached()
         return Counter({digest: len(blocks) for digest, blocks in self._cached.items()})
 
+    def cpu_hashes(self) -> set[bytes]:
+        """Keys the CPU tier holds (published granularity); empty without one."""
+        return set() if self.cpu is None else set(self.cpu.keys())
+
     def take_events(self) -> list[KVEvent]:
-        """The events emitted since the last call, in order."""
+        """The events emitted since the last call, in order: the GPU pool's, then the CPU tier's.
+
+        vLLM's scheduler builds a step's batch the same way (block pool events, then the connector's).
+        """
         events, self._events = self._events, []
+        if self.cpu is not None:
+            events.extend(self.cpu.take_events())
         return events
 
     # -- lookup and allocation -------------------------------------------------------------------
@@ -148,10 +179,35 @@ class PrefixCache:
             hit += 1
         return hit
 
+    def cpu_hit(self, hashes: Sequence[bytes], num_hit_blocks: int, num_tokens: int) -> int:
+        """Blocks past the GPU's ``num_hit_blocks`` that the CPU tier can load (0 without a tier).
+
+        Like vLLM's ``get_num_new_matched_tokens``: touch the request's offloaded blocks, look up from
+        the offloaded block holding the GPU hit's end, skip loads under one offloaded block. The same
+        cap as :meth:`longest_hit` keeps one token to recompute (vLLM loads the last block and then
+        recomputes its last token; the difference is at most one block of prefill).
+        """
+        cpu = self.cpu
+        if cpu is None:
+            return 0
+        k = self._k
+        keys = hashes[k - 1 :: k]
+        cpu.touch(keys)
+        start = num_hit_blocks // k
+        hits = cpu.lookup(keys, start)
+        limit = min(len(hashes), max(0, num_tokens - 1) // self.block_size)
+        loadable = min((start + hits) * k, limit) - num_hit_blocks
+        return loadable if loadable >= k else 0
+
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one lookup in tokens, as vLLM's PrefixCacheStats does for a newly scheduled request."""
         self.queries += num_tokens
         self.hits += num_hit_tokens
+
+    def record_external_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count the CPU tier's part of a lookup: the tokens the GPU did not cover, and those it had."""
+        self.external_queries += num_tokens
+        self.external_hits += num_hit_tokens
 
     def allocate(
         self,
@@ -162,11 +218,14 @@ class PrefixCache:
         *,
         lora_name: str | None = None,
         lora_id: int | None = None,
+        num_loaded_blocks: int = 0,
     ) -> bool:
         """Give a new request its cache hits plus new blocks for ``num_tokens`` tokens in total.
 
         ``num_hit_blocks`` comes from :meth:`longest_hit` in the same step. Returns False and changes
         nothing when the free blocks (hits sitting in the free queue do not count) are too few.
+        ``num_loaded_blocks`` (from :meth:`cpu_hit`) follow the hits and are filled by a CPU->GPU load:
+        their CPU copies are pinned until :meth:`finish_load` caches them on the GPU.
         """
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} already holds blocks")
@@ -180,8 +239,31 @@ class PrefixCache:
                 del self._free[block]
             self._ref[block] += 1
         hit_blocks.extend(self._pop_free() for _ in range(needed))
-        self._seqs[request_id] = _Seq(hit_blocks, num_hit_blocks, lora_name, lora_id)
+        seq = _Seq(hit_blocks, num_hit_blocks, lora_name, lora_id)
+        self._seqs[request_id] = seq
+        if self.cpu is not None:
+            if num_loaded_blocks:
+                k, end = self._k, num_hit_blocks + num_loaded_blocks
+                seq.loading = tuple(hashes[k - 1 :: k][num_hit_blocks // k : -(-end // k)])
+                self.cpu.pin(seq.loading)
+                # vLLM stores nothing below a load's end: those blocks came from the CPU tier.
+                seq.num_offloaded = end // k
+            else:
+                self._offload(seq, hashes, num_hit_blocks)  # GPU hits the CPU tier lacks
         return True
+
+    def finish_load(
+        self, request_id: str, hashes: Sequence[bytes], token_ids: Sequence[int], num_tokens: int
+    ) -> None:
+        """A CPU->GPU load of the request's first ``num_tokens`` completed: cache them on the GPU.
+
+        vLLM caches the loaded blocks (``BlockStored`` medium GPU) when it sees the load finished.
+        """
+        seq = self._seqs[request_id]
+        self.cache_blocks(request_id, hashes, token_ids, num_tokens)
+        if self.cpu is not None and seq.loading:
+            self.cpu.unpin(seq.loading)
+            seq.loading = ()
 
     def grow(self, request_id: str, num_tokens: int) -> bool:
         """Make the request's blocks cover ``num_tokens``; False (nothing changed) if too few are free."""
@@ -200,13 +282,18 @@ class PrefixCache:
         """Cache the request's blocks that became full, with one ``BlockStored`` for the new span.
 
         ``hashes`` must cover every full block of the computed tokens. Blocks already cached for the
-        request (its hits included) are not announced again.
+        request (its hits included) are not announced again. With a CPU tier, the newly full
+        offloaded blocks are also written through to it.
         """
         seq = self._seqs[request_id]
-        start = seq.num_cached
         full = min(num_computed_tokens // self.block_size, len(seq.blocks))
-        if full <= start:
-            return
+        if full > seq.num_cached:
+            self._cache_gpu(seq, hashes, token_ids, full)
+        if self.cpu is not None:
+            self._offload(seq, hashes, full)
+
+    def _cache_gpu(self, seq: _Seq, hashes: Sequence[bytes], token_ids: Sequence[int], full: int) -> None:
+        start = seq.num_cached
         for index in range(start, full):
             block, digest = seq.blocks[index], hashes[index]
             self._hash[block] = digest
@@ -233,11 +320,32 @@ class PrefixCache:
             )
         )
 
+    def _offload(self, seq: _Seq, hashes: Sequence[bytes], full: int) -> None:
+        """Write the request's offloaded blocks wholly within its first ``full`` blocks through to CPU.
+
+        As vLLM's ``_get_reqs_to_store``: store from the request's next unstored offloaded block on;
+        after a store that stored something, touch all of the request's offloaded blocks.
+        """
+        assert self.cpu is not None
+        k = self._k
+        end = full // k
+        if end <= seq.num_offloaded:
+            return
+        keys = hashes[k - 1 : end * k : k]
+        stored = self.cpu.store(keys[seq.num_offloaded :])
+        if stored is None:
+            return  # no room: retried at the request's next store, as vLLM does
+        seq.num_offloaded = end
+        if stored:
+            self.cpu.touch(keys)
+
     def free(self, request_id: str) -> None:
         """Release a request's blocks, tail first, so its tail is evicted before its head."""
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return
+        if seq.loading and self.cpu is not None:  # aborted while its load ran
+            self.cpu.unpin(seq.loading)
         ref, free = self._ref, self._free
         for block in reversed(seq.blocks):
             ref[block] -= 1
@@ -245,9 +353,15 @@ class PrefixCache:
                 free[block] = None
 
     def reset(self) -> bool:
-        """Drop every cached hash (vLLM's ``reset_prefix_cache``); refused while any block is in use."""
+        """Drop every cached hash (vLLM's ``reset_prefix_cache``); refused while any block is in use.
+
+        The CPU tier is emptied too (vLLM's ``reset_connector``), without events of its own: routers
+        drop every tier of a source on ``AllBlocksCleared``, so the one event describes both.
+        """
         if len(self._free) != self.num_blocks:
             return False
+        if self.cpu is not None:
+            self.cpu.clear()
         for blocks in self._cached.values():
             for block in blocks:
                 self._hash[block] = None

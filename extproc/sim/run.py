@@ -107,6 +107,18 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         default=d.decode_per_seq_s * 1000,
         help=f"extra step time per running sequence ({d.decode_per_seq_s * 1000:g} ms)",
     )
+    g.add_argument(
+        "--cpu-offload-blocks",
+        type=int,
+        default=d.cpu_offload_blocks,
+        help="CPU offload tier per rank, in published blocks, as vLLM's native CPU offloading (0 = none)",
+    )
+    g.add_argument(
+        "--cpu-load-tokens-per-s",
+        type=float,
+        default=d.cpu_load_tokens_per_s,
+        help=f"CPU->GPU KV load speed ({d.cpu_load_tokens_per_s:g}; ~50 GB/s PCIe Gen5, 128 KiB/token)",
+    )
     g.add_argument("--data-parallel-size", type=int, default=1, help="DP ranks, each its own cache (1)")
     g.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per simulated second (1.0)")
     g = p.add_argument_group("KV events (vLLM's ZMQ publisher)")
@@ -151,6 +163,8 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 def sim_settings(args: argparse.Namespace) -> SimSettings:
     """Flags -> settings; ConfigError names the flag that is wrong."""
+    if not args.cpu_offload_blocks and args.cpu_load_tokens_per_s != _ENGINE_DEFAULTS.cpu_load_tokens_per_s:
+        raise ConfigError("--cpu-load-tokens-per-s needs --cpu-offload-blocks (no CPU tier to load from)")
     engine = EngineParams(
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks_override,
@@ -161,6 +175,8 @@ def sim_settings(args: argparse.Namespace) -> SimSettings:
         decode_base_s=args.decode_base_ms / 1000,
         decode_per_seq_s=args.decode_per_seq_ms / 1000,
         published_block_size=args.published_block_size or args.block_size,
+        cpu_offload_blocks=args.cpu_offload_blocks,
+        cpu_load_tokens_per_s=args.cpu_load_tokens_per_s,
     )
     faults = KVFaults(drop_probability=args.kv_drop_probability, delay_seconds=args.kv_delay_ms / 1000)
     kv: KVEventSettings | None = None

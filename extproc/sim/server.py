@@ -68,6 +68,10 @@ class Rank:
             num_preemptions=c.num_preemptions,
             prompt_tokens=c.prompt_tokens,
             generation_tokens=c.generation_tokens,
+            external_prefix_cache_queries=c.external_prefix_cache_queries,
+            external_prefix_cache_hits=c.external_prefix_cache_hits,
+            cpu_cache_blocks=c.cpu_cache_blocks,
+            cpu_cache_capacity=c.params.cpu_offload_blocks,
         )
 
 
@@ -322,6 +326,10 @@ def _stats_json(stats: RankStats) -> dict[str, Any]:
         "kv_cache_usage": round(stats.kv_cache_usage, 6),
         "prefix_cache_queries": stats.prefix_cache_queries,
         "prefix_cache_hits": stats.prefix_cache_hits,
+        "external_prefix_cache_queries": stats.external_prefix_cache_queries,
+        "external_prefix_cache_hits": stats.external_prefix_cache_hits,
+        "cpu_cache_blocks": stats.cpu_cache_blocks,
+        "cpu_cache_capacity": stats.cpu_cache_capacity,
     }
 
 

@@ -76,12 +76,21 @@ class StoredBlock:
     lora_name: str | None
 
 
+#: Media vLLM uses for the GPU pool (nil before 0.10.2).
+GPU_MEDIA = (None, "GPU")
+
+
 class ReconstructedCache:
-    """What a subscriber believes the engine caches: a multiset of hashes (vLLM may store one twice)."""
+    """What a subscriber believes the engine caches: a multiset of hashes (vLLM may store one twice).
+
+    ``blocks`` is the GPU tier; every other medium (offload tiers: "CPU", ...) has its own multiset
+    in ``lower``. Offload stores may carry no tokens: their hashes are all they say.
+    """
 
     def __init__(self) -> None:
         self.blocks: Counter[int] = Counter()
         self.info: dict[int, StoredBlock] = {}
+        self.lower: dict[str, Counter[int]] = {}
         #: BlockRemoved for hashes not held (a gap, or a bug in the publisher).
         self.unknown_removals = 0
 
@@ -92,8 +101,10 @@ class ReconstructedCache:
         return batch
 
     def apply_event(self, event: dict[str, Any]) -> None:
-        kind = event["type"]
-        if kind == "BlockStored":
+        kind, medium = event["type"], event.get("medium")
+        if kind in ("BlockStored", "BlockRemoved") and medium not in GPU_MEDIA:
+            self._apply_lower(kind, medium, event["block_hashes"])
+        elif kind == "BlockStored":
             size, tokens = event["block_size"], event["token_ids"]
             parent = event.get("parent_block_hash")
             parent = None if parent is None else hash_to_int(parent)
@@ -112,9 +123,23 @@ class ReconstructedCache:
                 self.blocks[h] -= 1
                 if not self.blocks[h]:
                     del self.blocks[h], self.info[h]
-        elif kind == "AllBlocksCleared":
+        elif kind == "AllBlocksCleared":  # every tier, as routers read it
             self.blocks.clear()
             self.info.clear()
+            self.lower.clear()
+
+    def _apply_lower(self, kind: str, medium: str, raw_hashes: list[Any]) -> None:
+        tier = self.lower.setdefault(medium, Counter())
+        for raw_hash in raw_hashes:
+            h = hash_to_int(raw_hash)
+            if kind == "BlockStored":
+                tier[h] += 1
+            elif tier[h] <= 0:
+                self.unknown_removals += 1
+            else:
+                tier[h] -= 1
+                if not tier[h]:
+                    del tier[h]
 
     def tokens_of(self, block_hash: int) -> tuple[int, ...]:
         return self.info[block_hash].token_ids

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
 import sys
@@ -13,6 +14,7 @@ from processes import run_extproc
 
 from extproc.errors import ConfigError
 from extproc.sim.fleet import SimFleet, check_port_layout, replica_settings
+from extproc.sim.run import add_sim_parser, sim_settings
 from extproc.sim.settings import KVEventSettings, SimSettings
 
 
@@ -30,6 +32,8 @@ from extproc.sim.settings import KVEventSettings, SimSettings
         (["--kv-events-port", "0", "--kv-drop-probability", "2"], "--kv-drop-probability must be in 0-1"),
         (["--kv-delay-ms", "5"], "--kv-delay-ms needs --kv-events-port"),
         (["--num-gpu-blocks-override", "0"], "num_gpu_blocks"),
+        (["--cpu-offload-blocks", "-1"], "cpu_offload_blocks must be an integer >= 0"),
+        (["--cpu-load-tokens-per-s", "1e5"], "--cpu-load-tokens-per-s needs --cpu-offload-blocks"),
     ],
     ids=[
         "replay-without-pub",
@@ -43,6 +47,8 @@ from extproc.sim.settings import KVEventSettings, SimSettings
         "bad-drop",
         "delay-without-pub",
         "zero-blocks",
+        "negative-cpu-blocks",
+        "cpu-rate-without-tier",
     ],
 )
 async def test_bad_flags_exit_2_naming_the_flag(args: list[str], message: str) -> None:
@@ -51,6 +57,17 @@ async def test_bad_flags_exit_2_naming_the_flag(args: list[str], message: str) -
     assert returncode == 2, output
     assert message in output
     assert "Traceback" not in output
+
+
+def test_cpu_offload_flags_reach_the_engine() -> None:
+    """--cpu-offload-blocks and --cpu-load-tokens-per-s set the engine's CPU tier."""
+    parser = argparse.ArgumentParser()
+    add_sim_parser(parser.add_subparsers())
+    args = parser.parse_args(["sim", "--cpu-offload-blocks", "96000", "--cpu-load-tokens-per-s", "2e5"])
+    engine = sim_settings(args).engine
+    assert (engine.cpu_offload_blocks, engine.cpu_load_tokens_per_s) == (96_000, 200_000.0)
+    default = sim_settings(parser.parse_args(["sim"])).engine
+    assert default.cpu_offload_blocks == 0
 
 
 async def test_sim_prints_where_it_listens_and_stops_on_sigterm() -> None:

@@ -49,8 +49,9 @@ class Follower:
         self.sub.connect(publisher.endpoint)
         self.cache = ReconstructedCache()
         self.next_seq = 0
-        #: Events applied, by type.
+        #: Events applied, by type, and every payload applied (seq order from 0).
         self.events: Counter[str] = Counter()
+        self.payloads: list[bytes] = []
 
     async def join(self, http: aiohttp.ClientSession, server: SimServer) -> None:
         """Send small requests until one batch arrives live; fetch what came before it by replay."""
@@ -79,6 +80,7 @@ class Follower:
         assert seq == self.next_seq
         batch = self.cache.apply_batch(payload)
         self.events.update(event["type"] for event in batch.events)
+        self.payloads.append(payload)
         self.next_seq = seq + 1
 
     async def drain(self) -> None:
