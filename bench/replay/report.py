@@ -26,6 +26,16 @@ def _pooled(ub: dict[str, Any]) -> list[str]:
     ]
 
 
+def _offload(ep: dict[str, Any]) -> str:
+    blocks = ep.get("cpu_offload_blocks", 0)
+    if not blocks:
+        return " No CPU offload tier."
+    return (
+        f" CPU offload tier: {blocks} blocks (= {blocks * ep['block_size']:,} tokens) per engine, "
+        f"write-through, loaded back at {ep['cpu_load_tokens_per_s']:.0f} tok/s."
+    )
+
+
 def _f(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -52,7 +62,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"(= {ep['num_gpu_blocks'] * ep['block_size']:,} tokens) per engine, max_model_len "
         f"{ep['max_model_len']}, max_num_seqs {ep['max_num_seqs']}, max_num_batched_tokens "
         f"{ep['max_num_batched_tokens']}, prefill {ep['prefill_tokens_per_s']:.0f} tok/s, decode "
-        f"{ep['decode_base_s'] * 1000:g} ms + {ep['decode_per_seq_s'] * 1000:g} ms/seq per step.",
+        f"{ep['decode_base_s'] * 1000:g} ms + {ep['decode_per_seq_s'] * 1000:g} ms/seq per step."
+        + _offload(ep),
         f"Transport: {c['transport']}. Engine signals: {c['engine_signals']}.",
         "",
         f"**Upper bound** (one unbounded cache that saw every earlier request): "
@@ -61,14 +72,16 @@ def markdown(result: dict[str, Any]) -> str:
         "at least one token recomputed).",
         *_pooled(ub),
         "",
-        "| policy | prefix input | hit rate | TTFT mean s | TTFT p50 s | TTFT p99 s | e2e p50 s | e2e p99 s "
+        "| policy | prefix input | hit rate | GPU hit rate | TTFT mean s | TTFT p50 s | TTFT p99 s "
+        "| e2e p50 s | e2e p99 s "
         "| req/engine max/mean | req/engine CV | preemptions | errors |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for arm in result["arms"]:
         s = arm["summary"]
         lines.append(
-            f"| {s['policy']} | {s['prefix_mode']} | {s['hit_rate']:.1%} | {_f(s['ttft_mean_s'])} "
+            f"| {s['policy']} | {s['prefix_mode']} | {s['hit_rate']:.1%} "
+            f"| {s.get('gpu_hit_rate', s['hit_rate']):.1%} | {_f(s['ttft_mean_s'])} "
             f"| {_f(s['ttft_p50_s'])} | {_f(s['ttft_p99_s'])} | {_f(s['e2e_p50_s'], 2)} "
             f"| {_f(s['e2e_p99_s'], 2)} "
             f"| {_f(s['imbalance_max_over_mean'], 2)} | {_f(s['imbalance_cv'], 2)} | {s['preemptions']} "
@@ -96,8 +109,10 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "How to read it:",
         "",
-        "- *hit rate* = the engines' own `prefix_cache_hits / prefix_cache_queries` (tokens, counted once "
-        "per admission, summed over engines). *TTFT*, *e2e* = every request's engine-side time to first "
+        "- *hit rate* = the engines' own `(prefix_cache_hits + external_prefix_cache_hits) / "
+        "prefix_cache_queries` (tokens, counted once per admission, summed over engines; external = "
+        "loaded back from the CPU offload tier); *GPU hit rate* counts GPU hits only. "
+        "*TTFT*, *e2e* = every request's engine-side time to first "
         "token and end-to-end latency in *simulated* seconds (the values the engines feed their "
         "`vllm:time_to_first_token_seconds` / `e2e_request_latency` histograms, kept per request); they "
         "exclude routing time, which is real wall time and shown as *decide ms*. Percentiles are "

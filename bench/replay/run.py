@@ -166,6 +166,8 @@ async def _fleet(config: dict[str, Any], conn: Connection) -> None:
                     "address": server.address,
                     "prefix_cache_queries": sum(s.prefix_cache_queries for s in stats),
                     "prefix_cache_hits": sum(s.prefix_cache_hits for s in stats),
+                    # Hits on the CPU offload tier (0 without one): loaded back, not recomputed.
+                    "external_prefix_cache_hits": sum(s.external_prefix_cache_hits for s in stats),
                     "preemptions": sum(s.num_preemptions for s in stats),
                     "prompt_tokens": sum(s.prompt_tokens for s in stats),
                     "requests_finished": server.requests_finished,
@@ -418,6 +420,7 @@ def summarize(arm: dict[str, Any], scale: float) -> dict[str, Any]:
     engines = arm["engines"]
     queries = sum(e["prefix_cache_queries"] for e in engines)
     hits = sum(e["prefix_cache_hits"] for e in engines)
+    cpu_hits = sum(e.get("external_prefix_cache_hits", 0) for e in engines)
     ttft = [t for e in engines for t in e["ttft"]]
     e2e = [t for e in engines for t in e["e2e"]]
     reqs = arm["requests"]
@@ -431,7 +434,8 @@ def summarize(arm: dict[str, Any], scale: float) -> dict[str, Any]:
         "prefix_mode": arm["prefix_mode"],
         "requests": len(reqs),
         "errors": sum(1 for r in reqs if not r["ok"]),
-        "hit_rate": hits / queries if queries else 0.0,
+        "hit_rate": (hits + cpu_hits) / queries if queries else 0.0,
+        "gpu_hit_rate": hits / queries if queries else 0.0,
         "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p99_s": percentile(ttft, 99),
@@ -467,6 +471,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-cap", type=int, default=512, help="max_tokens = min(output_length, this)")
     p.add_argument("--gpu-blocks", type=int, default=24_000, help="KV blocks of 16 tokens per engine")
     p.add_argument(
+        "--cpu-offload-blocks",
+        type=int,
+        default=0,
+        help="CPU offload tier per engine, in 16-token blocks (0 = none; 96000 ~ 4x the GPU's)",
+    )
+    p.add_argument(
         "--scrape-interval",
         type=float,
         default=1.0,
@@ -487,11 +497,14 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         "num_gpu_blocks": args.gpu_blocks,
         # Mooncake prompts reach ~126k tokens: a 128k context, like the models the trace came from.
         "max_model_len": 131_072,
+        "cpu_offload_blocks": args.cpu_offload_blocks,
     }
     cfg = Config(args.engines, args.time_scale, args.output_cap, engine, scrape_interval=args.scrape_interval)
     vocab = shipped_tokenizer().vocab_size
     bound = upper_bound(requests, engine_block=16)
-    fleet_tokens = cfg.engines * args.gpu_blocks * 16
+    # The CPU tier is write-through (a superset of the GPU's blocks, mostly): an engine holds about
+    # the larger of the two.
+    fleet_tokens = cfg.engines * max(args.gpu_blocks, args.cpu_offload_blocks) * 16
     pooled = pooled_lru(requests, capacity_tokens=fleet_tokens, engine_block=16)
     result: dict[str, Any] = {
         "machine": machine(),
