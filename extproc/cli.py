@@ -29,9 +29,25 @@ log = logging.getLogger("extproc")
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the ext_proc gRPC server that picks an endpoint per request")
     p.add_argument(
-        "--source", required=True, help="where worker sets come from: file:PATH (multi-document YAML)"
+        "--source",
+        required=True,
+        help="where worker sets come from: file:PATH (multi-document YAML), or kube (the cluster's "
+        "InferenceWorkerSets, Services and EndpointSlices, watched)",
     )
     p.add_argument("--source-poll-interval", type=float, default=1.0, help="seconds between file checks (1)")
+    p.add_argument(
+        "--namespaces",
+        default=None,
+        metavar="NS[,NS...]",
+        help="--source kube: the namespaces to watch (default: all namespaces)",
+    )
+    p.add_argument(
+        "--kubeconfig",
+        type=Path,
+        default=None,
+        help="--source kube: kubeconfig file (default: in-cluster credentials when running in a pod, "
+        "else $KUBECONFIG or ~/.kube/config, as kubectl)",
+    )
     p.add_argument(
         "--listen", default="127.0.0.1:9002", help="gRPC ext_proc + health address (127.0.0.1:9002)"
     )
@@ -112,7 +128,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def _serve_settings(args: argparse.Namespace) -> ServeSettings:
     return ServeSettings(
-        source=SourceSettings.parse(args.source, poll_interval=args.source_poll_interval),
+        source=SourceSettings.parse(
+            args.source,
+            poll_interval=args.source_poll_interval,
+            namespaces=args.namespaces,
+            kubeconfig=args.kubeconfig,
+        ),
         listen=args.listen,
         admin_listen=args.admin_listen,
         max_body_bytes=args.max_body_bytes,
@@ -163,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     from extproc.sim.run import add_sim_parser
 
     add_sim_parser(sub)
+    from extproc.reconcile.run import add_reconcile_parser
+
+    add_reconcile_parser(sub)
     return parser
 
 

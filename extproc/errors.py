@@ -5,6 +5,7 @@
     ExtprocError                    base; never raised itself
     +-- ConfigError                 bad flags or settings: fix and restart (exit code 2)
     +-- SourceError                 a catalog source cannot be read at all (file missing, not YAML)
+    +-- KubeApiError                a Kubernetes API request failed; ``status`` (0: no answer)
     +-- RequestError                a client's request cannot be routed; carries an HTTP status
         +-- BadRequest              400: body is not JSON, ``model`` missing or not a string
         +-- ModelNotFound           404: no worker set serves the model name
@@ -30,6 +31,19 @@ class ConfigError(ExtprocError):
 
 class SourceError(ExtprocError):
     """A catalog source cannot be read or parsed at all."""
+
+
+class KubeApiError(ExtprocError):
+    """A Kubernetes API request failed: ``status`` is the HTTP status, 0 when nothing answered.
+
+    410 means the resourceVersion is too old (list again); 404 that the resource or object is not
+    there; anything else is retried later with backoff.
+    """
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
 
 
 class RequestError(ExtprocError):

@@ -6,6 +6,7 @@ below the CLI receives a validated :class:`ServeSettings` and never reads flags 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,23 +32,59 @@ def parse_host_port(value: str, *, what: str) -> tuple[str, int]:
 
 @dataclass(frozen=True, slots=True)
 class SourceSettings:
-    """Where the catalog comes from."""
+    """Where the catalog comes from: a YAML file (``file``) or the cluster's API server (``kube``)."""
 
-    #: ``file`` for now (a Kubernetes watch source comes later).
+    #: ``file`` or ``kube``.
     kind: str
     #: The YAML file for ``file``.
-    path: Path
+    path: Path | None = None
     #: Seconds between checks of the file for changes. Default 1 s.
     poll_interval: float = 1.0
+    #: ``kube``: the namespaces to watch; None (the default) watches all namespaces.
+    namespaces: tuple[str, ...] | None = None
+    #: ``kube``: a kubeconfig file; None = in-cluster credentials when ``KUBERNETES_SERVICE_HOST``
+    #: is set, else ``$KUBECONFIG`` or ``~/.kube/config``, as kubectl picks them.
+    kubeconfig: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("file", "kube"):
+            raise ConfigError(f"--source: expected file:PATH or kube, got {self.kind!r}")
+        if self.kind == "file" and self.path is None:
+            raise ConfigError("--source file:PATH needs a PATH")
+        if self.kind == "file" and (self.namespaces is not None or self.kubeconfig is not None):
+            raise ConfigError("--namespaces and --kubeconfig apply to --source kube only")
+        if self.poll_interval <= 0:
+            raise ConfigError(f"--source-poll-interval must be positive, got {self.poll_interval}")
+        if self.namespaces is not None:
+            if not self.namespaces:
+                raise ConfigError("--namespaces: give at least one namespace, or leave it out for all")
+            for namespace in self.namespaces:
+                if not _DNS_LABEL.fullmatch(namespace):
+                    raise ConfigError(f"--namespaces: {namespace!r} is not a namespace name (RFC 1123 label)")
 
     @classmethod
-    def parse(cls, spec: str, *, poll_interval: float = 1.0) -> SourceSettings:
+    def parse(
+        cls,
+        spec: str,
+        *,
+        poll_interval: float = 1.0,
+        namespaces: str | None = None,
+        kubeconfig: Path | None = None,
+    ) -> SourceSettings:
+        """``file:PATH`` or ``kube``; ``namespaces`` is the ``--namespaces a,b`` text."""
+        listed = None if namespaces is None else tuple(n.strip() for n in namespaces.split(",") if n.strip())
+        if spec == "kube":
+            return cls(kind="kube", namespaces=listed, kubeconfig=kubeconfig, poll_interval=poll_interval)
         kind, sep, rest = spec.partition(":")
         if kind != "file" or not sep or not rest:
-            raise ConfigError(f"--source: expected file:PATH, got {spec!r}")
-        if poll_interval <= 0:
-            raise ConfigError(f"--source-poll-interval must be positive, got {poll_interval}")
-        return cls(kind=kind, path=Path(rest), poll_interval=poll_interval)
+            raise ConfigError(f"--source: expected file:PATH or kube, got {spec!r}")
+        return cls(
+            kind=kind, path=Path(rest), poll_interval=poll_interval, namespaces=listed, kubeconfig=kubeconfig
+        )
+
+
+#: A namespace name: an RFC 1123 label.
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 #: Names ``--policy`` accepts (see :mod:`extproc.scheduling.policy`).
@@ -136,4 +173,58 @@ class ServeSettings:
         if self.scrape_interval < 0:
             raise ConfigError(
                 f"--scrape-interval must be 0 (off) or more seconds, got {self.scrape_interval}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileSettings:
+    """Everything ``extproc reconcile`` (the status sidecar) needs."""
+
+    #: Who we are in the Lease (``--identity``; the CLI defaults it to $POD_NAME, else the host name).
+    identity: str
+    #: A kubeconfig file; None: in-cluster credentials, else $KUBECONFIG, else ~/.kube/config.
+    kubeconfig: Path | None = None
+    #: Namespaces to reconcile; None: all of them.
+    namespaces: tuple[str, ...] | None = None
+    #: Base URL of the ``serve`` admin port beside us (its ``/debug/state``). Loopback by default.
+    serve_admin: str = "http://127.0.0.1:9090"
+    #: Seconds between reads of ``serve``'s state, and the longest wait for one. Defaults 2 s / 1.5 s.
+    serve_poll_interval: float = 2.0
+    serve_timeout: float = 1.5
+    #: The ``coordination.k8s.io`` Lease that elects the one replica writing status.
+    lease_name: str = "extproc-reconciler"
+    lease_namespace: str = "default"
+    #: Seconds: how long a leader's lease lasts unrenewed (15), how often it renews (5), and how
+    #: often a follower retries (2). A leader stops writing 2/3 of a lease duration after its last
+    #: renewal, before anyone may take over.
+    lease_duration: float = 15.0
+    renew_interval: float = 5.0
+    retry_interval: float = 2.0
+    #: Admin HTTP (``/healthz``, ``/metrics``, ``/debug/state``) listen address. Loopback by default.
+    admin_listen: str = "127.0.0.1:9091"
+    #: Seconds between full recomputations when nothing reported a change. Default 30 s.
+    resync_interval: float = 30.0
+
+    def __post_init__(self) -> None:
+        parse_host_port(self.admin_listen, what="--admin-listen")
+        if not self.identity:
+            raise ConfigError("--identity must not be empty")
+        if not self.serve_admin.startswith(("http://", "https://")):
+            raise ConfigError(f"--serve-admin: expected an http:// URL, got {self.serve_admin!r}")
+        if self.namespaces is not None and not all(self.namespaces):
+            raise ConfigError(f"--namespaces: empty name in {list(self.namespaces)}")
+        for flag, value in (
+            ("--serve-poll-interval", self.serve_poll_interval),
+            ("--serve-timeout", self.serve_timeout),
+            ("--lease-duration", self.lease_duration),
+            ("--lease-renew-interval", self.renew_interval),
+            ("--lease-retry-interval", self.retry_interval),
+            ("--resync-interval", self.resync_interval),
+        ):
+            if not value > 0:
+                raise ConfigError(f"{flag} must be positive, got {value}")
+        if self.renew_interval >= self.lease_duration * 2 / 3:
+            raise ConfigError(
+                f"--lease-renew-interval ({self.renew_interval}) must be under 2/3 of --lease-duration "
+                f"({self.lease_duration}), or a leader would step down between renewals"
             )

@@ -32,10 +32,12 @@ from extproc.scheduling.scheduler import Scheduler
 from extproc.server.admin import admin_app
 from extproc.server.budget import BodyBudget
 from extproc.server.health import HealthService
+from extproc.server.observed import observe_worker_sets
 from extproc.server.prefix_routing import PrefixRouting
 from extproc.server.service import ExternalProcessorService
 from extproc.settings import ServeSettings, parse_host_port
 from extproc.sources.file import FileSource, ReloadOutcome
+from extproc.sources.kube import KubeSource
 from extproc.tasks import cancel_and_wait
 from extproc.telemetry import Metrics, UnknownProfileCollector
 
@@ -55,7 +57,11 @@ class Server:
         self.store = CatalogStore()
         self.inflight = InFlight()
         self.metrics = Metrics()
-        self.source = FileSource(settings.source, on_reload=self._count_reload)
+        self.source: FileSource | KubeSource = (
+            KubeSource(settings.source, on_reload=self._count_reload)
+            if settings.source.kind == "kube"
+            else FileSource(settings.source, on_reload=self._count_reload)
+        )
         self.prefix = PrefixRouting(settings.prefix, self.store)
         self.scraper = EngineScraper(self.store, interval=settings.scrape_interval or 1.0)
         #: What the source declares; the store holds it with what model discovery learned applied.
@@ -85,9 +91,13 @@ class Server:
         self._started = time.time()
 
     async def start(self) -> None:
-        """Load the catalog (failing loudly if it cannot be read), then open both ports."""
-        self._declared = await asyncio.to_thread(self.source.load)
-        self._republish()
+        """Load the catalog (failing loudly if a file cannot be read), then open both ports.
+
+        The cluster source publishes once it has listed everything; until then serve is not ready.
+        """
+        if isinstance(self.source, FileSource):
+            self._declared = await asyncio.to_thread(self.source.load)
+            self._republish()
         try:
             await self._start_grpc()
             await self._start_admin()
@@ -201,7 +211,7 @@ class Server:
         return {
             "version": __version__,
             "startedAt": self._started,
-            "source": {"kind": self.settings.source.kind, "path": str(self.settings.source.path)},
+            "source": self.source.debug_state(),
             "catalogGeneration": self.store.generation,
             "catalog": self.store.current.to_debug(),
             "inflight": dict(sorted(self.inflight.snapshot().items())),
@@ -214,6 +224,7 @@ class Server:
                 "profiles": {name: p.to_debug() for name, p in sorted(self.profiles.profiles.items())},
             },
             "engines": self.scraper.debug_state() if self.settings.scrape_interval > 0 else {},
+            "workerSetStatus": observe_worker_sets(self.store.current, self.prefix.subscriptions.stats()),
         }
 
     async def stop(self) -> None:

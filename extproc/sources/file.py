@@ -20,26 +20,14 @@ from typing import Any, Literal
 
 import yaml
 
-from extproc.catalog.build import build_catalog
-from extproc.catalog.model import Catalog, ObjectProblem
-from extproc.catalog.resources import (
-    EndpointSlice,
-    InferenceWorkerSet,
-    InvalidObject,
-    Resource,
-    Service,
-    UnsupportedKind,
-    iter_objects,
-    object_identity,
-    parse_object,
-)
-from extproc.errors import SourceError
+from extproc.catalog.model import Catalog
+from extproc.catalog.resources import Resource, iter_objects
+from extproc.errors import ConfigError, SourceError
 from extproc.settings import SourceSettings
+from extproc.sources.objects import Compiled, ObjectKey, ProblemLog, compile_objects
 
 logger = logging.getLogger(__name__)
 
-#: (kind, namespace, name): what stays the same object across edits.
-ObjectKey = tuple[str, str, str]
 #: What one counted reload did; ``on_reload`` receives it (for metrics).
 ReloadOutcome = Literal["ok", "failed", "unchanged"]
 #: File systems stamp mtimes from a coarse clock: two same-size writes within one tick look alike.
@@ -71,14 +59,6 @@ class _Read:
 
 
 @dataclass(frozen=True, slots=True)
-class Compiled:
-    """A built catalog and the valid objects it came from (the next reload's fallbacks)."""
-
-    catalog: Catalog
-    valid: dict[ObjectKey, Resource]
-
-
-@dataclass(frozen=True, slots=True)
 class _Failed:
     message: str
     #: Set when the content was read but rejected, so the same bytes are not parsed again.
@@ -94,21 +74,8 @@ def compile_documents(data: bytes, previous: Mapping[ObjectKey, Resource], *, pa
     ``previous`` holds the objects of the last good load: an object that turned invalid keeps
     that version, as the API server would have refused the edit.
     """
-    valid: dict[ObjectKey, Resource] = {}
-    problems: list[ObjectProblem] = []
-    for document in _load_yaml(data, path):
-        if document is None:
-            continue
-        for obj in iter_objects(document):
-            _admit(obj, previous, valid, problems)
-    resources = list(valid.values())
-    catalog = build_catalog(
-        [r for r in resources if isinstance(r, InferenceWorkerSet)],
-        [r for r in resources if isinstance(r, Service)],
-        [r for r in resources if isinstance(r, EndpointSlice)],
-        problems,
-    )
-    return Compiled(catalog, valid)
+    documents = [d for d in _load_yaml(data, path) if d is not None]
+    return compile_objects((obj for document in documents for obj in iter_objects(document)), previous)
 
 
 def _load_yaml(data: bytes, path: Path) -> list[Any]:
@@ -124,34 +91,6 @@ def _load_yaml(data: bytes, path: Path) -> list[Any]:
         raise SourceError(f"catalog file {path}: invalid YAML{where}: {detail}{context}") from exc
     except yaml.YAMLError as exc:
         raise SourceError(f"catalog file {path}: invalid YAML: {exc}") from exc
-
-
-def _admit(
-    obj: Any,
-    previous: Mapping[ObjectKey, Resource],
-    valid: dict[ObjectKey, Resource],
-    problems: list[ObjectProblem],
-) -> None:
-    """Add one object to ``valid``, or record why not (and what stays in use instead)."""
-    key = object_identity(obj) if isinstance(obj, Mapping) else ("(no kind)", "default", "(no name)")
-    try:
-        resource = parse_object(obj)
-    except UnsupportedKind as exc:
-        problems.append(ObjectProblem(*key, exc.detail))
-        return
-    except InvalidObject as exc:
-        message = f"{exc.field_path}: {exc.detail}" if exc.field_path else exc.detail
-        kept = valid.get(key, previous.get(key))
-        if kept is not None:
-            valid[key] = kept
-            message += "; the previous valid version stays in use"
-        problems.append(ObjectProblem(*key, message, kept_previous=kept is not None))
-        return
-    if key in valid:
-        problems.append(
-            ObjectProblem(*key, "defined more than once in the file; the last definition is used")
-        )
-    valid[key] = resource
 
 
 def _read(path: Path) -> _Read:
@@ -183,7 +122,9 @@ class FileSource:
     def __init__(
         self, settings: SourceSettings, *, on_reload: Callable[[ReloadOutcome], None] | None = None
     ) -> None:
-        self.path = settings.path
+        if settings.path is None:
+            raise ConfigError("the file source needs a path")
+        self.path: Path = settings.path
         self.poll_interval = settings.poll_interval
         self._on_reload = on_reload
         self.reloads_ok = 0
@@ -198,7 +139,7 @@ class FileSource:
         #: Digest of the last content that failed to parse, and why: not parsed again each poll.
         self._rejected: tuple[bytes, str] | None = None
         self._valid: dict[ObjectKey, Resource] = {}
-        self._reported: frozenset[str] = frozenset()
+        self._problems = ProblemLog(logger, f"path={self.path}")
 
     def load(self) -> Catalog:
         """Read and build now; raises SourceError (with the path) if the file cannot be used."""
@@ -223,6 +164,10 @@ class FileSource:
             if catalog is not None:
                 publish(catalog)
             await asyncio.sleep(self.poll_interval)
+
+    def debug_state(self) -> dict[str, Any]:
+        """For ``/debug/state``: which file, and what keeps it from loading if anything does."""
+        return {"kind": "file", "path": str(self.path), "lastError": self.last_error}
 
     def _check(self) -> _Outcome:
         """Look at the file; reads state but never changes it, so it can run in a worker thread."""
@@ -299,21 +244,12 @@ class FileSource:
             self.last_error = None
 
     def _report(self, catalog: Catalog) -> None:
-        """Log each problem once, when it appears, rather than on every reload."""
-        messages = [f"{p.kind} {p.namespace}/{p.name}: {p.message}" for p in catalog.problems]
-        messages += [c.message() for c in catalog.conflicts]
-        messages += [
-            f"InferenceWorkerSet {k}: {m}" for k, ws in catalog.worker_sets.items() for m in ws.problems
-        ]
-        for message in messages:
-            if message not in self._reported:
-                logger.warning("catalog problem path=%s problem=%r", self.path, message)
-        self._reported = frozenset(messages)
+        count = self._problems.report(catalog)
         logger.info(
             "catalog loaded path=%s worker_sets=%d routes=%d conflicts=%d problems=%d",
             self.path,
             len(catalog.worker_sets),
             len(catalog.routes),
             len(catalog.conflicts),
-            len(messages),
+            count,
         )

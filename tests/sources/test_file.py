@@ -346,7 +346,7 @@ def test_unexpected_build_error_keeps_the_catalog(
     def broken_build(*_: object) -> Catalog:
         raise RuntimeError("bug")
 
-    monkeypatch.setattr("extproc.sources.file.build_catalog", broken_build)
+    monkeypatch.setattr("extproc.sources.objects.build_catalog", broken_build)
     append(catalog_file, "\n# edited\n")
     with caplog.at_level(logging.ERROR, logger="extproc.sources.file"):
         assert source.poll() is None

@@ -1,0 +1,1 @@
+"""The status reconciler sidecar (``extproc reconcile``); see README.md in this folder."""

@@ -1,0 +1,88 @@
+"""The ``extproc reconcile`` flags -> :class:`~extproc.settings.ReconcileSettings` -> the sidecar.
+
+Defaults that depend on where it runs (a pod's name and namespace from the downward API) are read
+here, from the environment, and nowhere below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+
+from extproc.settings import ReconcileSettings
+
+
+def add_reconcile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``extproc reconcile`` to the CLI; :func:`run_reconcile` is its handler."""
+    p = sub.add_parser(
+        "reconcile",
+        help="run the status reconciler sidecar (writes InferenceWorkerSet status; leader-elected)",
+        description="Keeps the status of every InferenceWorkerSet true: endpoints, models and context "
+        "windows, KV-event subscriptions, referencing HTTPRoutes, conditions. Runs beside `extproc serve` "
+        "and reads its /debug/state; one replica writes at a time (a coordination.k8s.io Lease).",
+    )
+    p.add_argument(
+        "--kubeconfig", type=Path, default=None, help="kubeconfig (default: in-cluster, $KUBECONFIG)"
+    )
+    p.add_argument(
+        "--namespaces", default="", help="comma-separated namespaces to reconcile (default: all namespaces)"
+    )
+    p.add_argument(
+        "--serve-admin", default="http://127.0.0.1:9090", help="serve's admin URL (http://127.0.0.1:9090)"
+    )
+    p.add_argument(
+        "--serve-poll-interval", type=float, default=2.0, help="seconds between reads of serve (2)"
+    )
+    p.add_argument("--lease-name", default="extproc-reconciler", help="Lease name (extproc-reconciler)")
+    p.add_argument(
+        "--lease-namespace", default=None, help="Lease namespace (default: $POD_NAMESPACE, else default)"
+    )
+    p.add_argument("--lease-duration", type=float, default=15.0, help="seconds a lease lasts unrenewed (15)")
+    p.add_argument("--lease-renew-interval", type=float, default=5.0, help="seconds between renewals (5)")
+    p.add_argument(
+        "--lease-retry-interval", type=float, default=2.0, help="seconds between tries to lead (2)"
+    )
+    p.add_argument(
+        "--identity", default=None, help="this replica in the Lease (default: $POD_NAME, else hostname)"
+    )
+    p.add_argument(
+        "--admin-listen", default="127.0.0.1:9091", help="/healthz, /metrics, /debug/state (127.0.0.1:9091)"
+    )
+    p.add_argument("--resync-interval", type=float, default=30.0, help="seconds between full passes (30)")
+    p.set_defaults(handler=run_reconcile)
+
+
+def reconcile_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> ReconcileSettings:
+    """Flags (and the pod's environment for two defaults) -> validated settings."""
+    namespaces = tuple(n.strip() for n in args.namespaces.split(",")) if args.namespaces else None
+    return ReconcileSettings(
+        identity=args.identity or environ.get("POD_NAME") or socket.gethostname(),
+        kubeconfig=args.kubeconfig,
+        namespaces=namespaces,
+        serve_admin=args.serve_admin,
+        serve_poll_interval=args.serve_poll_interval,
+        lease_name=args.lease_name,
+        lease_namespace=args.lease_namespace or environ.get("POD_NAMESPACE") or "default",
+        lease_duration=args.lease_duration,
+        renew_interval=args.lease_renew_interval,
+        retry_interval=args.lease_retry_interval,
+        admin_listen=args.admin_listen,
+        resync_interval=args.resync_interval,
+    )
+
+
+async def run_reconcile(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    """Run the sidecar until ``stop`` is set (ConfigError for bad flags or credentials)."""
+    from extproc.kube.client import KubeSettings, api_client
+    from extproc.reconcile.controller import Reconciler
+
+    settings = reconcile_settings(args, os.environ)
+    api = await asyncio.to_thread(api_client, KubeSettings(kubeconfig=settings.kubeconfig))
+    try:
+        await Reconciler(settings, api).run(stop)
+    finally:
+        api.close()  # type: ignore[no-untyped-call]

@@ -1,0 +1,151 @@
+"""The catalog from the cluster: InferenceWorkerSets, Services and EndpointSlices as the API server has them.
+
+Three :class:`~extproc.kube.reflector.Reflector` s mirror the objects (all namespaces, or a list);
+every change marks the catalog stale, and a burst of changes (a rollout moves many endpoints at
+once) is built and published once, ``debounce`` seconds after its first change. The build is
+:func:`~extproc.sources.objects.compile_objects`, the same step the file source takes, so the same
+objects give the same catalog from either source. Nothing is published until every resource type
+has been listed once (readiness then means "we have the cluster's state"); after that, an API
+server that goes away changes nothing, and routing continues on the last catalog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from extproc.catalog.model import Catalog
+from extproc.catalog.resources import Resource
+from extproc.kube.client import KubeSettings, api_client
+from extproc.kube.reflector import Reflector, ReflectorOptions
+from extproc.kube.resources import ENDPOINT_SLICES, SERVICES, WORKER_SETS
+from extproc.settings import SourceSettings
+from extproc.sources.file import ReloadOutcome
+from extproc.sources.objects import ObjectKey, ProblemLog, compile_objects
+
+if TYPE_CHECKING:
+    from kubernetes import client as k8s_client
+
+logger = logging.getLogger(__name__)
+
+#: What the catalog is built from.
+RESOURCE_TYPES = (WORKER_SETS, SERVICES, ENDPOINT_SLICES)
+
+
+class KubeSource:
+    """Follows the cluster (``watch``) and publishes a catalog whenever what routing needs changes.
+
+    ``builds`` counts catalogs built, ``published`` those that differed from the last one, and
+    ``on_reload`` receives ``"ok"`` / ``"unchanged"`` / ``"failed"`` per build, as from the file
+    source. Credentials are loaded on construction, so a bad kubeconfig fails ``serve`` at once.
+    """
+
+    def __init__(
+        self,
+        settings: SourceSettings,
+        *,
+        on_reload: Callable[[ReloadOutcome], None] | None = None,
+        api: k8s_client.ApiClient | None = None,
+        options: ReflectorOptions | None = None,
+        debounce: float = 0.05,
+    ) -> None:
+        self.namespaces = settings.namespaces
+        self.debounce = debounce
+        self._on_reload = on_reload
+        self._owns_client = api is None
+        self.api = api if api is not None else api_client(KubeSettings(kubeconfig=settings.kubeconfig))
+        self.reflectors = [
+            Reflector(self.api, kind, settings.namespaces, self._changed, options=options)
+            for kind in RESOURCE_TYPES
+        ]
+        self.builds = self.published = self.builds_failed = 0
+        #: A build that failed (a bug); the previous catalog stays in use.
+        self.build_error: str | None = None
+        self._stale = asyncio.Event()
+        self._valid: dict[ObjectKey, Resource] = {}
+        self._catalog: Catalog | None = None
+        self._problems = ProblemLog(logger, "source=kube")
+
+    @property
+    def synced(self) -> bool:
+        """Every resource type has been listed at least once."""
+        return all(r.synced for r in self.reflectors)
+
+    @property
+    def last_error(self) -> str | None:
+        """What currently keeps the source from being current (API errors first), or None."""
+        return next((r.last_error for r in self.reflectors if r.last_error), None) or self.build_error
+
+    async def watch(self, publish: Callable[[Catalog], None]) -> None:
+        """Follow the cluster and publish each new catalog; runs until cancelled."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                for reflector in self.reflectors:
+                    group.create_task(reflector.run(), name=f"reflect-{reflector.resource_type.plural}")
+                group.create_task(self._publish_changes(publish), name="kube-catalog")
+        finally:
+            if self._owns_client:
+                self.api.close()  # type: ignore[no-untyped-call]
+
+    def debug_state(self) -> dict[str, Any]:
+        """For ``/debug/state``: per resource type, synced, last error, objects and resourceVersion."""
+        return {
+            "kind": "kube",
+            "namespaces": None if self.namespaces is None else list(self.namespaces),
+            "synced": self.synced,
+            "lastError": self.last_error,
+            "builds": self.builds,
+            "published": self.published,
+            "resources": {r.resource_type.name: r.debug_state() for r in self.reflectors},
+        }
+
+    def _changed(self) -> None:
+        self._stale.set()
+
+    async def _publish_changes(self, publish: Callable[[Catalog], None]) -> None:
+        while True:
+            await self._stale.wait()
+            await asyncio.sleep(self.debounce)  # let the rest of a burst arrive
+            self._stale.clear()
+            if not self.synced:
+                continue
+            catalog = self._build()
+            if catalog is not None:
+                publish(catalog)
+
+    def _build(self) -> Catalog | None:
+        """The catalog of the objects now known; None if it equals the last one or the build failed."""
+        objects = [obj for reflector in self.reflectors for obj in reflector.objects.values()]
+        try:
+            compiled = compile_objects(objects, self._valid)
+        except Exception as exc:
+            # A validation gap is a bug, but it must not stop routing: keep the current catalog.
+            logger.exception("catalog build failed (bug) source=kube")
+            self.builds_failed += 1
+            self.build_error = f"internal error while building the catalog: {exc!r}"
+            self._notify("failed")
+            return None
+        self.builds += 1
+        self.build_error = None
+        self._valid = compiled.valid
+        if compiled.catalog == self._catalog:
+            self._notify("unchanged")
+            return None
+        self._catalog = compiled.catalog
+        self.published += 1
+        count = self._problems.report(compiled.catalog)
+        logger.info(
+            "catalog built source=kube objects=%d worker_sets=%d routes=%d problems=%d",
+            len(objects),
+            len(compiled.catalog.worker_sets),
+            len(compiled.catalog.routes),
+            count,
+        )
+        self._notify("ok")
+        return compiled.catalog
+
+    def _notify(self, outcome: ReloadOutcome) -> None:
+        if self._on_reload is not None:
+            self._on_reload(outcome)

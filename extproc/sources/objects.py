@@ -1,0 +1,109 @@
+"""Raw objects -> a validated :class:`Catalog`: the one step every source shares.
+
+A source hands over plain dicts as ``kubectl get -o json`` (or ``-o yaml``) shows them, from a
+file or from the API server. Each is parsed with :mod:`extproc.catalog.resources` and the valid
+ones are joined by :func:`extproc.catalog.build.build_catalog`; an object that cannot be used
+becomes an :class:`ObjectProblem` instead, and if an earlier version of it was valid, that version
+stays in use, as the API server would have refused the edit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from extproc.catalog.build import build_catalog
+from extproc.catalog.model import Catalog, ObjectProblem
+from extproc.catalog.resources import (
+    EndpointSlice,
+    InferenceWorkerSet,
+    InvalidObject,
+    Resource,
+    Service,
+    UnsupportedKind,
+    object_identity,
+    parse_object,
+)
+
+#: (kind, namespace, name): what stays the same object across edits.
+ObjectKey = tuple[str, str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    """A built catalog and the valid objects it came from (the next build's fallbacks)."""
+
+    catalog: Catalog
+    valid: dict[ObjectKey, Resource]
+
+
+def compile_objects(objects: Iterable[Any], previous: Mapping[ObjectKey, Resource]) -> Compiled:
+    """Parse every object and build the catalog; never raises for a bad object.
+
+    ``previous`` holds the valid objects of the last build: an object that turned invalid keeps
+    that version. An object given twice (possible in a file only) is used in its last version.
+    """
+    valid: dict[ObjectKey, Resource] = {}
+    problems: list[ObjectProblem] = []
+    for obj in objects:
+        _admit(obj, previous, valid, problems)
+    resources = list(valid.values())
+    catalog = build_catalog(
+        [r for r in resources if isinstance(r, InferenceWorkerSet)],
+        [r for r in resources if isinstance(r, Service)],
+        [r for r in resources if isinstance(r, EndpointSlice)],
+        problems,
+    )
+    return Compiled(catalog, valid)
+
+
+def _admit(
+    obj: Any,
+    previous: Mapping[ObjectKey, Resource],
+    valid: dict[ObjectKey, Resource],
+    problems: list[ObjectProblem],
+) -> None:
+    """Add one object to ``valid``, or record why not (and what stays in use instead)."""
+    key = object_identity(obj) if isinstance(obj, Mapping) else ("(no kind)", "default", "(no name)")
+    try:
+        resource = parse_object(obj)
+    except UnsupportedKind as exc:
+        problems.append(ObjectProblem(*key, exc.detail))
+        return
+    except InvalidObject as exc:
+        message = f"{exc.field_path}: {exc.detail}" if exc.field_path else exc.detail
+        kept = valid.get(key, previous.get(key))
+        if kept is not None:
+            valid[key] = kept
+            message += "; the previous valid version stays in use"
+        problems.append(ObjectProblem(*key, message, kept_previous=kept is not None))
+        return
+    if key in valid:
+        problems.append(
+            ObjectProblem(*key, "defined more than once in the file; the last definition is used")
+        )
+    valid[key] = resource
+
+
+class ProblemLog:
+    """Logs each problem of a catalog once, when it appears, rather than on every rebuild."""
+
+    def __init__(self, logger: logging.Logger, origin: str) -> None:
+        self._logger = logger
+        self._origin = origin  # e.g. "path=/etc/catalog.yaml", first in each line
+        self._reported: frozenset[str] = frozenset()
+
+    def report(self, catalog: Catalog) -> int:
+        """Log the problems not logged before; returns how many problems the catalog has."""
+        messages = [f"{p.kind} {p.namespace}/{p.name}: {p.message}" for p in catalog.problems]
+        messages += [c.message() for c in catalog.conflicts]
+        messages += [
+            f"InferenceWorkerSet {k}: {m}" for k, ws in catalog.worker_sets.items() for m in ws.problems
+        ]
+        for message in messages:
+            if message not in self._reported:
+                self._logger.warning("catalog problem %s problem=%r", self._origin, message)
+        self._reported = frozenset(messages)
+        return len(messages)

@@ -1,0 +1,207 @@
+"""Leader election: the pure decision, and the elector against an in-memory Lease store."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from extproc.reconcile.lease import (
+    Action,
+    LeaderElector,
+    LeaseConflict,
+    LeaseRecord,
+    decide,
+    lease_spec,
+)
+
+T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
+
+
+def record(holder: str | None, renewed: datetime | None = T0, duration: int = 15) -> LeaseRecord:
+    return LeaseRecord(holder=holder, duration_seconds=duration, renew_time=renewed, transitions=3)
+
+
+@pytest.mark.parametrize(
+    ("lease", "now", "expected"),
+    [
+        (None, T0, Action.CREATE),
+        (record("me"), T0 + timedelta(seconds=5), Action.RENEW),
+        (record("me"), T0 + timedelta(seconds=60), Action.RENEW),
+        (record("other"), T0 + timedelta(seconds=10), Action.WAIT),
+        (record("other"), T0 + timedelta(seconds=15), Action.WAIT),
+        (record("other"), T0 + timedelta(seconds=16), Action.TAKE_OVER),
+        (record(None), T0, Action.TAKE_OVER),
+        (record("other", renewed=None), T0, Action.TAKE_OVER),
+    ],
+    ids=[
+        "absent",
+        "mine",
+        "mine-even-late",
+        "held",
+        "held-to-the-end",
+        "expired",
+        "released",
+        "never-renewed",
+    ],
+)
+def test_decide(lease: LeaseRecord | None, now: datetime, expected: Action) -> None:
+    """Create when absent, renew our own, take over when free or expired, else wait."""
+    assert decide(lease, me="me", now=now, duration=15) is expected
+
+
+def test_take_over_counts_a_transition_and_renew_keeps_the_acquire_time() -> None:
+    """leaseTransitions grows when the holder changes; a renewal keeps when we acquired it."""
+    taken = lease_spec(Action.TAKE_OVER, record("other"), me="me", now=T0, duration=15)
+    assert taken["holderIdentity"] == "me" and taken["leaseTransitions"] == 4
+    assert taken["acquireTime"] == taken["renewTime"] == "2026-03-01T12:00:00.000000Z"
+    acquired = T0 - timedelta(hours=1)
+    mine = LeaseRecord(holder="me", duration_seconds=15, acquire_time=acquired, renew_time=T0, transitions=4)
+    renewed = lease_spec(Action.RENEW, mine, me="me", now=T0 + timedelta(seconds=5), duration=15)
+    assert renewed["acquireTime"] == "2026-03-01T11:00:00.000000Z"
+    assert renewed["renewTime"] == "2026-03-01T12:00:05.000000Z"
+    assert renewed["leaseTransitions"] == 4
+    assert renewed["leaseDurationSeconds"] == 15
+
+
+def test_lease_objects_are_read_tolerantly() -> None:
+    """Fields of the wrong type read as unset rather than failing the election."""
+    parsed = LeaseRecord.from_object(
+        {
+            "metadata": {"resourceVersion": "42"},
+            "spec": {
+                "holderIdentity": "",
+                "leaseDurationSeconds": "15",
+                "renewTime": "2026-03-01T12:00:00.123456Z",
+                "leaseTransitions": -1,
+            },
+        }
+    )
+    assert parsed == LeaseRecord(
+        renew_time=datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC), resource_version="42"
+    )
+
+
+class MemoryLeaseStore:
+    """A Lease kept in memory with resourceVersion checks, like the API server's."""
+
+    def __init__(self) -> None:
+        self.obj: dict[str, Any] | None = None
+        self.version = 0
+        self.fail: Exception | None = None
+        self.before_write: Callable[[], object] | None = None
+
+    def get(self) -> dict[str, Any] | None:
+        if self.fail is not None:
+            raise self.fail
+        return copy.deepcopy(self.obj)
+
+    def create(self, spec: dict[str, Any]) -> dict[str, Any]:
+        if self.obj is not None:
+            raise LeaseConflict("exists")
+        return self._store(spec)
+
+    def replace(self, spec: dict[str, Any], resource_version: str | None) -> dict[str, Any]:
+        if self.fail is not None:
+            raise self.fail
+        if self.before_write is not None:
+            self.before_write()
+        if self.obj is None or resource_version != self.obj["metadata"]["resourceVersion"]:
+            raise LeaseConflict("changed")
+        return self._store(spec)
+
+    def _store(self, spec: dict[str, Any]) -> dict[str, Any]:
+        self.version += 1
+        self.obj = {"metadata": {"resourceVersion": str(self.version)}, "spec": spec}
+        return copy.deepcopy(self.obj)
+
+
+class Clocks:
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def now(self) -> datetime:
+        return T0 + timedelta(seconds=self.seconds)
+
+    def monotonic(self) -> float:
+        return self.seconds
+
+
+def elector(store: MemoryLeaseStore, clocks: Clocks, identity: str, changes: list[bool]) -> LeaderElector:
+    return LeaderElector(
+        store,
+        identity=identity,
+        on_change=changes.append,
+        duration=15,
+        now=clocks.now,
+        monotonic=clocks.monotonic,
+    )
+
+
+async def test_one_leader_then_takeover_after_expiry() -> None:
+    """The first replica leads; the second waits until the lease expires unrenewed, then leads."""
+    store, clocks = MemoryLeaseStore(), Clocks()
+    a_changes: list[bool] = []
+    b_changes: list[bool] = []
+    a, b = elector(store, clocks, "a", a_changes), elector(store, clocks, "b", b_changes)
+    assert await a.step() is Action.CREATE
+    assert await b.step() is Action.WAIT
+    assert a.is_leader and not b.is_leader and a_changes == [True]
+    clocks.seconds = 5
+    assert await a.step() is Action.RENEW
+    clocks.seconds = 12  # a stops renewing (it is gone); its lease runs until 5 + 15
+    assert await b.step() is Action.WAIT
+    assert a.is_leader  # within its renew deadline
+    clocks.seconds = 16
+    assert not a.is_leader  # 11 s without a renewal: past 2/3 of the duration, a stops writing
+    clocks.seconds = 21
+    assert await b.step() is Action.TAKE_OVER
+    assert b.is_leader and b_changes == [True]
+    assert store.obj is not None and store.obj["spec"]["leaseTransitions"] == 1
+    assert await a.step() is Action.WAIT
+    assert a_changes == [True, False]
+
+
+async def test_failed_renewals_end_leadership_before_anyone_may_take_over() -> None:
+    """A leader that cannot reach the API server stops writing within the renew deadline."""
+    store, clocks = MemoryLeaseStore(), Clocks()
+    changes: list[bool] = []
+    a = elector(store, clocks, "a", changes)
+    await a.step()
+    store.fail = OSError("connection refused")
+    clocks.seconds = 5
+    assert await a.step() is Action.WAIT
+    assert a.is_leader and a.last_error == "OSError: connection refused"
+    clocks.seconds = 10.5
+    await a.step()
+    assert not a.is_leader and changes == [True, False]
+
+
+async def test_release_lets_the_other_replica_take_over_at_once() -> None:
+    """A clean stop clears the holder: no waiting for the lease to expire."""
+    store, clocks = MemoryLeaseStore(), Clocks()
+    a, b = elector(store, clocks, "a", []), elector(store, clocks, "b", [])
+    await a.step()
+    await a.release()
+    assert not a.is_leader
+    clocks.seconds = 1
+    assert await b.step() is Action.TAKE_OVER
+    assert b.is_leader
+
+
+async def test_a_lost_race_is_a_wait() -> None:
+    """Two replicas read the same free lease: the one whose write comes second does not lead."""
+    store, clocks = MemoryLeaseStore(), Clocks()
+    a = elector(store, clocks, "a", [])
+    await a.step()
+    await a.release()
+    b_spec = lease_spec(Action.TAKE_OVER, record(None), me="b", now=T0, duration=15)
+    store.before_write = lambda: store._store(b_spec)  # b writes between a's read and a's write
+    assert await a.step() is Action.WAIT
+    assert not a.is_leader
+    store.before_write = None
+    assert await a.step() is Action.WAIT
+    assert not a.is_leader
