@@ -224,7 +224,11 @@ class Server:
                 "profiles": {name: p.to_debug() for name, p in sorted(self.profiles.profiles.items())},
             },
             "engines": self.scraper.debug_state() if self.settings.scrape_interval > 0 else {},
-            "workerSetStatus": observe_worker_sets(self.store.current, self.prefix.subscriptions.stats()),
+            "workerSetStatus": observe_worker_sets(
+                self.store.current,
+                self.prefix.subscriptions.stats(),
+                profile_known=lambda name: self.profiles.resolve(name)[1],
+            ),
         }
 
     async def stop(self) -> None:

@@ -10,7 +10,7 @@ subscribers' stats, so equal inputs give an equal (JSON-ready) answer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from extproc.catalog.model import Catalog, WorkerSet
@@ -28,11 +28,17 @@ class Subscription(Protocol):
     def connected(self) -> bool: ...
 
 
-def observe_worker_sets(catalog: Catalog, subscriptions: Mapping[Source, Subscription]) -> dict[str, Any]:
+def observe_worker_sets(
+    catalog: Catalog,
+    subscriptions: Mapping[Source, Subscription],
+    *,
+    profile_known: Callable[[str], bool] = lambda _name: True,
+) -> dict[str, Any]:
     """``namespace/name`` -> the router's view of that set (see the module docstring).
 
     Sets that the source rejected without a previous version to keep appear too, with
-    ``routed: false`` and the rejection under ``rejected``.
+    ``routed: false`` and the rejection under ``rejected``. A set naming a profile that
+    ``profile_known`` denies still routes (with the default profile) and says so in ``problems``.
     """
     rejected: dict[str, list[str]] = {}
     for problem in catalog.problems:
@@ -44,14 +50,18 @@ def observe_worker_sets(catalog: Catalog, subscriptions: Mapping[Source, Subscri
     observed: dict[str, Any] = {}
     for key in sorted(set(catalog.worker_sets) | set(rejected)):
         ws = catalog.worker_sets.get(WorkerSetKey(key))
-        entry: dict[str, Any] = {"routed": False} if ws is None else _observe(catalog, ws, subscriptions)
+        entry: dict[str, Any] = {"routed": False}
+        if ws is not None:
+            entry = _observe(catalog, ws, subscriptions, profile_known(ws.profile))
         entry["conflicts"] = lost.get(key, [])
         entry["rejected"] = rejected.get(key, [])
         observed[key] = entry
     return observed
 
 
-def _observe(catalog: Catalog, ws: WorkerSet, subscriptions: Mapping[Source, Subscription]) -> dict[str, Any]:
+def _observe(
+    catalog: Catalog, ws: WorkerSet, subscriptions: Mapping[Source, Subscription], profile_known: bool
+) -> dict[str, Any]:
     models = []
     for model in ws.models:
         serving = ws.endpoints_serving(model.name)
@@ -88,5 +98,11 @@ def _observe(catalog: Catalog, ws: WorkerSet, subscriptions: Mapping[Source, Sub
             # Static sets need no answer: their models are the spec's.
             "answered": ws.discovery_mode == "Static" or ws.served is not None,
         },
-        "problems": list(ws.problems),
+        "profile": {"name": ws.profile, "known": profile_known},
+        "problems": list(ws.problems) + ([] if profile_known else [_unknown_profile(ws.profile)]),
     }
+
+
+def _unknown_profile(name: str) -> str:
+    return f'profile "{name}" is not defined in --profiles; TTFT predictions use the built-in "default"'
+

@@ -76,11 +76,23 @@ def test_static_set_serves_its_models_on_every_ready_endpoint() -> None:
             "models": [{"upstreamName": "m", "aliases": ["x"], "readyEndpoints": 2}],
             "kvEvents": {"configured": False, "subscribedEndpoints": 0},
             "discovery": {"mode": "Static", "answered": True},
+            "profile": {"name": "p", "known": True},
             "problems": [],
             "conflicts": [],
             "rejected": [],
         }
     }
+
+
+def test_a_set_naming_an_unknown_profile_routes_and_reports_it() -> None:
+    observed = observe_worker_sets(
+        catalog(objects("a", ips=["10.0.0.1"], models=[{"name": "m"}])), {}, profile_known=lambda n: n != "p"
+    )["ns/a"]
+    assert observed["routed"] is True
+    assert observed["profile"] == {"name": "p", "known": False}
+    assert observed["problems"] == [
+        'profile "p" is not defined in --profiles; TTFT predictions use the built-in "default"'
+    ]
 
 
 def test_discovered_models_have_per_model_endpoints_and_context_windows() -> None:
