@@ -105,4 +105,3 @@ def _observe(
 
 def _unknown_profile(name: str) -> str:
     return f'profile "{name}" is not defined in --profiles; TTFT predictions use the built-in "default"'
-
