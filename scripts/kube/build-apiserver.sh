@@ -46,7 +46,7 @@ DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
   "$GO_PACKAGE" make rsync etcd-server >/dev/null
 
 cd "$WORK"
-apt-get source --download-only -qq "kubernetes=$K8S_SRC_VERSION" 2>/dev/null
+apt-get source --download-only -qq "kubernetes=$K8S_SRC_VERSION"
 tar xzf kubernetes_1.20.5+really1.20.2.orig.tar.gz
 cd kubernetes-1.20.2
 python3 "$HERE/patch_vendor.py" .
