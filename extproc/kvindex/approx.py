@@ -85,17 +85,20 @@ class ApproxPrefixIndex:
         remaining = set(endpoints)
         blocks: dict[EndpointAddress, int] = {}
         depth = 0
+        get = self._holders.get
         for key in keys:
-            holders = self._holders.get(key)
+            holders = get(key)
             if not holders:
                 break
-            still = remaining & holders
-            for endpoint in remaining - still:
-                blocks[endpoint] = depth
-            remaining = still
+            # Usually every endpoint still in was sent this chunk too: one subset test, no new sets.
+            if not remaining <= holders:
+                still = remaining & holders
+                for endpoint in remaining - still:
+                    blocks[endpoint] = depth
+                remaining = still
+                if not remaining:
+                    break
             depth += 1
-            if not remaining:
-                break
         for endpoint in remaining:
             blocks[endpoint] = depth
         return {e: n * CHARS_PER_BLOCK // CHARS_PER_TOKEN for e, n in blocks.items()}
