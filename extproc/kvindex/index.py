@@ -215,10 +215,10 @@ class PrefixIndex:
 
     # --- lookups -------------------------------------------------------------------------------
 
-    @property
-    def has_lower_tiers(self) -> bool:
-        """Some source holds blocks on an offload tier (CPU, storage): worth a second lookup."""
-        return bool(self._lower)
+    def has_lower_tier(self, source: Source) -> bool:
+        """``source`` has announced blocks on an offload tier (CPU, storage): worth a second lookup."""
+        state = self._states.get(source)
+        return state is not None and state.lower is not None
 
     def match(
         self, keys: Sequence[int], sources: Iterable[Source] | None = None, *, lower_tiers: bool = False

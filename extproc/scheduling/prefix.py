@@ -159,22 +159,23 @@ class PrefixScorer:
                 if ws.data_parallel_size > 1:
                     multi_rank.add(endpoint.address)
         token_tuple = tuple(tokens)
-        best: dict[EndpointAddress, tuple[int, int]] = {}
-        any_tier: dict[Source, int] = {}
+        # Per endpoint, its best rank: most GPU-cached tokens, then the furthest reach on any tier.
+        best: dict[EndpointAddress, tuple[int, int, int]] = {}
         for block_size, sources in groups.items():
             keys = block_keys(token_tuple, block_size, seed)
-            for source, blocks in self.index.match(keys, sources).items():
+            gpu = self.index.match(keys, sources)
+            # A second walk only for the sources that offload (usually all of a fleet, or none).
+            offloading = [s for s in sources if self.index.has_lower_tier(s)]
+            any_tier = self.index.match(keys, offloading, lower_tiers=True) if offloading else {}
+            for source, blocks in gpu.items():
                 held = blocks * block_size
+                reach = max(held, any_tier.get(source, 0) * block_size)
                 current = best.get(source.endpoint)
-                if current is None or held > current[0]:
-                    best[source.endpoint] = (held, source.dp_rank)
-            if self.index.has_lower_tiers:
-                for source, blocks in self.index.match(keys, sources, lower_tiers=True).items():
-                    any_tier[source] = blocks * block_size
-        for address, (held, rank) in best.items():
+                if current is None or (held, reach) > current[:2]:
+                    best[source.endpoint] = (held, reach, source.dp_rank)
+        for address, (held, reach, rank) in best.items():
             cached[address] = held
-            if held and address in multi_rank:
+            if reach and address in multi_rank:
                 ranks[address] = rank
-            offloaded = any_tier.get(Source(address, rank), 0) - held
-            if offloaded > 0:
-                lower[address] = offloaded
+            if reach > held:
+                lower[address] = reach - held

@@ -386,3 +386,27 @@ def test_without_offload_tiers_no_lower_tier_tokens_are_reported() -> None:
     match = router.match(LLAMA, path, payload)
     assert match.cached_tokens[EndpointAddress(a)] == 48
     assert match.lower_tier_tokens == {}
+
+
+def test_data_parallel_pod_names_the_rank_whose_offload_tier_holds_the_prefix() -> None:
+    """No GPU hit anywhere, rank 1 holds the prefix on CPU: rank 1 is named, its tokens count as offloaded."""
+    ws = iws("dp", models=[{"name": LLAMA}])
+    ws["metadata"]["annotations"] = {"kinference.buoyant.io/data-parallel-size": "2"}
+    ws["spec"]["kvEvents"] = {"port": 5557}
+    catalog = build(ws, svc("dp"), eps("dp-1", "dp", ["10.0.9.1"]))
+    index = PrefixIndex(max_entries=10_000, max_entries_per_source=10_000)
+    for source, plan in plan_sources(catalog).items():
+        index.add_source(source, namespace=plan.namespace, block_size=plan.block_size)
+    path, payload = PROMPTS[0]
+    tokens = engine_tokens(path, payload)
+    digests = [hashlib.sha256(f"dp/{i}".encode()).digest() for i in range(3)]
+    event = BlockStored(tuple(digests), None, tuple(tokens[: 3 * 16]), 16, None, None, medium="CPU")
+    payload_bytes = encode_batch([event], ts=0.0, dp_rank=1, encoding="maps", hash_format="int")
+    IndexIngest(index).on_batch(Source(EndpointAddress("10.0.9.1:8000"), 1), 0, payload_bytes)
+    scorer = PrefixScorer(index=index, tokenizers=REGISTRY, approx=ApproxPrefixIndex())
+    route = catalog.resolve(LLAMA)
+    assert route is not None
+    match = scorer.match(catalog, route, PromptInput(path, payload), route.endpoints)
+    assert match.cached_tokens == {EndpointAddress("10.0.9.1:8000"): 0}
+    assert match.lower_tier_tokens == {EndpointAddress("10.0.9.1:8000"): 48}
+    assert match.ranks == {EndpointAddress("10.0.9.1:8000"): 1}
