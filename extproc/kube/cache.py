@@ -2,7 +2,9 @@
 
 Transitions are those of a Kubernetes informer's store: a list replaces everything at once (so
 objects deleted while nobody watched disappear), ADDED/MODIFIED put, DELETED removes, and every
-event, BOOKMARKs included, moves the resourceVersion that the next watch resumes from.
+event, BOOKMARKs included, moves the resourceVersion that the next watch resumes from. Whether an
+object changed is decided by its ``metadata.resourceVersion``, which the API server moves on every
+write, rather than by comparing whole objects.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ class ObjectCache:
     def replace(self, items: Iterable[RawObject], resource_version: str) -> bool:
         """Swap in a complete list; True if the objects differ from before."""
         objects = {object_key(obj): obj for obj in items}
-        changed = objects != self.objects
+        changed = objects.keys() != self.objects.keys() or any(
+            _version(obj) != _version(self.objects[key]) for key, obj in objects.items()
+        )
         self.objects = objects  # one assignment: no reader ever sees half of the old and the new list
         self.resource_version = resource_version
         return changed
@@ -39,7 +43,8 @@ class ObjectCache:
         key = object_key(event.object)
         if event.type == "DELETED":
             return self.objects.pop(key, None) is not None
-        if self.objects.get(key) == event.object:
+        known = self.objects.get(key)
+        if known is not None and _version(known) == _version(event.object):
             return False
         self.objects[key] = event.object
         return True
@@ -47,3 +52,8 @@ class ObjectCache:
     def clear(self) -> bool:
         """Forget everything (the resource type went away); True if anything was known."""
         return self.replace((), "")
+
+
+def _version(obj: RawObject) -> str:
+    # wire.py guarantees every object a resourceVersion.
+    return str(obj["metadata"]["resourceVersion"])

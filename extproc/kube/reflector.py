@@ -3,9 +3,10 @@
 A :class:`Reflector` follows one :class:`~extproc.kube.resources.ResourceType` in all namespaces
 or in a list of them (one list + watch per namespace, each with its own resourceVersion). It
 lists with pagination, watches from the list's resourceVersion with bookmarks and a server-side
-timeout, resumes each new watch where the last one stopped, lists again on 410 Gone (replacing
-what it knew at once), and backs off with jitter on other errors while keeping the last known
-objects, so that whoever reads them keeps working while the API server is away.
+timeout, resumes each new watch where the last one stopped, lists again on 410 Gone or after an
+event too large to read (replacing what it knew at once), and backs off with jitter on other
+errors while keeping the last known objects, so that whoever reads them keeps working while the
+API server is away.
 
 Threads: the ``kubernetes`` client blocks, so each list or watch request runs in a short-lived
 daemon thread (:mod:`extproc.kube.transfer`) that only does I/O and decoding and hands every
@@ -30,7 +31,7 @@ from kubernetes import client as k8s_client
 from extproc.errors import KubeApiError
 from extproc.kube.cache import ObjectCache, ObjectKey
 from extproc.kube.resources import ResourceType
-from extproc.kube.retry import Backoff, after_failure
+from extproc.kube.retry import Backoff, after_failure, after_watch
 from extproc.kube.transfer import Delivery, in_thread, list_all, watch
 from extproc.kube.wire import Oversized, RawObject
 
@@ -46,8 +47,9 @@ class ReflectorOptions:
     watch_timeout: float = 300.0
     #: Objects per list page (``limit``). Default 250.
     page_size: int = 250
-    #: A watch event larger than this is skipped with an error logged (its object keeps its
-    #: previous version). etcd refuses objects over 1.5 MiB, so 4 MiB leaves room for JSON.
+    #: A watch event larger than this is skipped with an error logged, and the watch ends so that a
+    #: list (whose pages have their own cap) shows what it hid: a lost DELETED would leave the
+    #: object in the cache for ever. etcd refuses objects over 1.5 MiB, so 4 MiB leaves room for JSON.
     max_event_bytes: int = 4 * 1024 * 1024
     #: A list page larger than this fails the list (and is retried with backoff). Default 256 MiB.
     max_page_bytes: int = 256 * 1024 * 1024
@@ -81,6 +83,8 @@ class _Scope:
     last_error: str | None = None
     needs_list: bool = True
     gone_before: bool = False
+    #: Events and bookmarks the current watch has handed over.
+    delivered: int = 0
 
     @property
     def label(self) -> str:
@@ -176,11 +180,11 @@ class Reflector:
                 if scope.needs_list:
                     await self._list(scope)
                 started = loop.time()
-                seconds = await self._watch(scope)
-                if loop.time() - started >= seconds / 2:
-                    scope.backoff.reset()  # a watch that ran to its end
-                else:  # a server that ends watches at once must not be asked again in a tight loop
-                    await asyncio.sleep(scope.backoff.next())
+                scope.delivered = 0
+                await self._watch(scope)
+                delay = after_watch(scope.backoff, delivered=scope.delivered, lasted=loop.time() - started)
+                if delay > 0:
+                    await asyncio.sleep(delay)
             except KubeApiError as exc:
                 await self._after(scope, exc)
             except Exception as exc:
@@ -247,8 +251,8 @@ class Reflector:
         if changed or first:
             self.on_change()
 
-    async def _watch(self, scope: _Scope) -> int:
-        """One watch from the cache's resourceVersion; returns the seconds it was asked to last."""
+    async def _watch(self, scope: _Scope) -> None:
+        """One watch from the cache's resourceVersion, for ``watch_timeout`` to twice that."""
         opts = self.options
         version = scope.cache.resource_version
         seconds = int(opts.watch_timeout * (1.0 + self._rng.random()))
@@ -272,7 +276,6 @@ class Reflector:
             name=self._thread_name(scope),
             stop_grace=opts.stop_grace,
         )
-        return seconds
 
     def _thread_name(self, scope: _Scope) -> str:
         return f"kube-{self.resource_type.plural}-{scope.label}"
@@ -283,10 +286,14 @@ class Reflector:
             self.watches += 1
             scope.gone_before = False
             self._recovered(scope)
-        elif isinstance(item, Oversized):
+            return
+        scope.delivered += 1
+        if isinstance(item, Oversized):
             self.oversized += 1
+            scope.needs_list = True  # the watch ends here; a list shows what the event held
             log.error(
-                "kube watch event skipped: %d bytes is over the %d-byte cap resource=%s namespace=%s",
+                "kube watch event skipped, listing again: %d bytes is over the %d-byte cap "
+                "resource=%s namespace=%s",
                 item.size,
                 self.options.max_event_bytes,
                 self.resource_type.name,

@@ -6,6 +6,9 @@
   as present with no objects, and is looked for again every ``unavailable_retry`` seconds.
 - Anything else (no answer, 401/403, 5xx, a malformed answer): exponential backoff with jitter,
   keeping what is known, and resuming the watch where it stopped when a resourceVersion is known.
+- A watch that ended without an error: watch again at once if it worked (delivered something, or
+  stayed open a few seconds; proxies often cut watches long before their timeout), and back off
+  only if it ended almost at once with nothing, so such a server is not asked in a tight loop.
 """
 
 from __future__ import annotations
@@ -48,6 +51,21 @@ class Backoff:
     def reset(self) -> None:
         """After a success: the next failure waits ``initial`` again."""
         self.failures = 0
+
+
+#: A watch open at least this long worked, even if the cluster was quiet.
+WORKING_WATCH_SECONDS = 5.0
+
+
+def after_watch(backoff: Backoff, *, delivered: int, lasted: float) -> float:
+    """Seconds to wait before the next watch, after one that ended without an error.
+
+    ``delivered``: events and bookmarks the watch handed over; ``lasted``: seconds it was open.
+    """
+    if delivered > 0 or lasted >= WORKING_WATCH_SECONDS:
+        backoff.reset()
+        return 0.0
+    return backoff.next()
 
 
 @dataclass(frozen=True, slots=True)

@@ -122,7 +122,8 @@ def watch(
 ) -> None:
     """Watch from ``version`` for ``seconds`` (server side), handing everything to ``deliver``.
 
-    Returns when the server ends the watch; raises KubeApiError for ERROR events (410 included),
+    Returns when the server ends the watch, or after handing over an :class:`Oversized` skip (what
+    it hid is lost: only a new list can tell); raises KubeApiError for ERROR events (410 included),
     malformed lines and broken streams, but not for a stream broken by :meth:`Call.abort`.
     """
     query: Query = [
@@ -137,7 +138,10 @@ def watch(
     try:
         for chunk in _chunks(response):
             for line in splitter.feed(chunk):
-                deliver(line if isinstance(line, Oversized) else decode_event(line, resource_type))
+                if isinstance(line, Oversized):
+                    deliver(line)
+                    return  # an event was lost: the caller lists again, so end here
+                deliver(decode_event(line, resource_type))
     except (urllib3.exceptions.HTTPError, OSError) as exc:
         if not call.stopping.is_set():
             raise KubeApiError(0, f"watch {resource_type.name}: stream broken: {exc}") from exc

@@ -7,23 +7,31 @@ once) is built and published once, ``debounce`` seconds after its first change. 
 objects give the same catalog from either source. Nothing is published until every resource type
 has been listed once (readiness then means "we have the cluster's state"); after that, an API
 server that goes away changes nothing, and routing continues on the last catalog.
+
+A change wakes the build only if it touches what the catalog is read from (:func:`build_inputs`):
+a worker set's spec (its ``generation``), labels, annotations, creation or deletion, and the
+Services and EndpointSlices some worker set refers to. Status writes (the reconciler's) and the
+cluster's other Services cost a comparison, not a build; their objects stay cached, so a worker
+set that refers to them later sees them at once. A build parses again only the objects whose
+resourceVersion moved.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from extproc.catalog.model import Catalog
-from extproc.catalog.resources import Resource
+from extproc.catalog.resources import SERVICE_NAME_LABEL, Resource
 from extproc.kube.client import KubeSettings, api_client
 from extproc.kube.reflector import Reflector, ReflectorOptions
 from extproc.kube.resources import ENDPOINT_SLICES, SERVICES, WORKER_SETS
+from extproc.kube.wire import RawObject
 from extproc.settings import SourceSettings
 from extproc.sources.file import ReloadOutcome
-from extproc.sources.objects import ObjectKey, ProblemLog, compile_objects
+from extproc.sources.objects import ObjectKey, Parsed, ProblemLog, VersionKey, compile_objects
 
 if TYPE_CHECKING:
     from kubernetes import client as k8s_client
@@ -61,10 +69,16 @@ class KubeSource:
             for kind in RESOURCE_TYPES
         ]
         self.builds = self.published = self.builds_failed = 0
+        #: Changes that left what the catalog is read from as it was (no build).
+        self.skipped = 0
+        #: Catalogs that ``publish`` raised on (a bug); watching goes on.
+        self.publish_failed = 0
         #: A build that failed (a bug); the previous catalog stays in use.
         self.build_error: str | None = None
         self._stale = asyncio.Event()
         self._valid: dict[ObjectKey, Resource] = {}
+        self._parsed: dict[VersionKey, Parsed] = {}
+        self._inputs: dict[tuple[str, str, str], object] | None = None
         self._catalog: Catalog | None = None
         self._problems = ProblemLog(logger, "source=kube")
 
@@ -98,6 +112,8 @@ class KubeSource:
             "lastError": self.last_error,
             "builds": self.builds,
             "published": self.published,
+            "skipped": self.skipped,
+            "publishFailed": self.publish_failed,
             "resources": {r.resource_type.name: r.debug_state() for r in self.reflectors},
         }
 
@@ -112,14 +128,30 @@ class KubeSource:
             if not self.synced:
                 continue
             catalog = self._build()
-            if catalog is not None:
+            if catalog is None:
+                continue
+            try:
                 publish(catalog)
+            except Exception:
+                # A bug in whoever takes the catalog must not end the watch (and with it every
+                # later update) while serve stays ready: report it and keep following the cluster.
+                self.publish_failed += 1
+                logger.exception(
+                    "publishing the catalog failed (bug) source=kube worker_sets=%d failures=%d",
+                    len(catalog.worker_sets),
+                    self.publish_failed,
+                )
 
     def _build(self) -> Catalog | None:
         """The catalog of the objects now known; None if it equals the last one or the build failed."""
+        worker_sets, services, slices = (r.objects for r in self.reflectors)
         objects = [obj for reflector in self.reflectors for obj in reflector.objects.values()]
         try:
-            compiled = compile_objects(objects, self._valid)
+            inputs = build_inputs(worker_sets.values(), services.values(), slices.values())
+            if inputs == self._inputs:
+                self.skipped += 1
+                return None
+            compiled = compile_objects(objects, self._valid, self._parsed)
         except Exception as exc:
             # A validation gap is a bug, but it must not stop routing: keep the current catalog.
             logger.exception("catalog build failed (bug) source=kube")
@@ -129,7 +161,7 @@ class KubeSource:
             return None
         self.builds += 1
         self.build_error = None
-        self._valid = compiled.valid
+        self._valid, self._parsed, self._inputs = compiled.valid, compiled.parsed, inputs
         if compiled.catalog == self._catalog:
             self._notify("unchanged")
             return None
@@ -149,3 +181,43 @@ class KubeSource:
     def _notify(self, outcome: ReloadOutcome) -> None:
         if self._on_reload is not None:
             self._on_reload(outcome)
+
+
+def build_inputs(
+    worker_sets: Iterable[RawObject], services: Iterable[RawObject], slices: Iterable[RawObject]
+) -> dict[tuple[str, str, str], object]:
+    """What a build reads, per object: equal inputs give an equal catalog, so no build is needed.
+
+    A worker set counts by ``generation`` (the API server moves it on spec changes, not on status
+    writes) and the metadata the parser reads; a Service or EndpointSlice by its resourceVersion,
+    and only if some worker set in its namespace refers to it.
+    """
+    inputs: dict[tuple[str, str, str], object] = {}
+    referenced: set[tuple[str, str]] = set()
+    for obj in worker_sets:
+        meta = obj["metadata"]
+        namespace, name = meta.get("namespace", ""), meta["name"]
+        inputs["ws", namespace, name] = (
+            meta.get("generation") or meta["resourceVersion"],
+            meta.get("labels"),
+            meta.get("annotations"),
+            meta.get("creationTimestamp"),
+            meta.get("deletionTimestamp"),
+        )
+        spec = obj.get("spec")
+        ref = spec.get("serviceRef") if isinstance(spec, Mapping) else None
+        if isinstance(ref, Mapping) and isinstance(ref.get("name"), str):
+            referenced.add((namespace, ref["name"]))
+    for kind, objects in (("svc", services), ("slice", slices)):
+        for obj in objects:
+            meta = obj["metadata"]
+            namespace = meta.get("namespace", "")
+            service = meta["name"] if kind == "svc" else _service_label(meta)
+            if (namespace, service) in referenced:
+                inputs[kind, namespace, meta["name"]] = meta["resourceVersion"]
+    return inputs
+
+
+def _service_label(meta: Mapping[str, Any]) -> object:
+    labels = meta.get("labels")
+    return labels.get(SERVICE_NAME_LABEL) if isinstance(labels, Mapping) else None

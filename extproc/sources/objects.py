@@ -4,14 +4,16 @@ A source hands over plain dicts as ``kubectl get -o json`` (or ``-o yaml``) show
 file or from the API server. Each is parsed with :mod:`extproc.catalog.resources` and the valid
 ones are joined by :func:`extproc.catalog.build.build_catalog`; an object that cannot be used
 becomes an :class:`ObjectProblem` instead, and if an earlier version of it was valid, that version
-stays in use, as the API server would have refused the edit.
+stays in use, as the API server would have refused the edit. A caller that builds again and
+again (the kube source) passes the last build's ``parsed`` back, so only objects whose
+resourceVersion moved are parsed again.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.catalog.build import build_catalog
@@ -29,6 +31,10 @@ from extproc.catalog.resources import (
 
 #: (kind, namespace, name): what stays the same object across edits.
 ObjectKey = tuple[str, str, str]
+#: (kind, namespace, name, resourceVersion): one version of one object.
+VersionKey = tuple[str, str, str, str]
+#: What parsing one version gave: the resource, or why it cannot be used.
+Parsed = Resource | UnsupportedKind | InvalidObject
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,18 +43,26 @@ class Compiled:
 
     catalog: Catalog
     valid: dict[ObjectKey, Resource]
+    #: Parse results of the objects that carry a resourceVersion, for the next build.
+    parsed: dict[VersionKey, Parsed] = field(default_factory=dict)
 
 
-def compile_objects(objects: Iterable[Any], previous: Mapping[ObjectKey, Resource]) -> Compiled:
+def compile_objects(
+    objects: Iterable[Any],
+    previous: Mapping[ObjectKey, Resource],
+    parsed: Mapping[VersionKey, Parsed] | None = None,
+) -> Compiled:
     """Parse every object and build the catalog; never raises for a bad object.
 
     ``previous`` holds the valid objects of the last build: an object that turned invalid keeps
     that version. An object given twice (possible in a file only) is used in its last version.
+    ``parsed`` (the last build's) spares parsing objects whose resourceVersion did not move.
     """
     valid: dict[ObjectKey, Resource] = {}
     problems: list[ObjectProblem] = []
+    seen: dict[VersionKey, Parsed] = {}
     for obj in objects:
-        _admit(obj, previous, valid, problems)
+        _admit(obj, previous, valid, problems, parsed or {}, seen)
     resources = list(valid.values())
     catalog = build_catalog(
         [r for r in resources if isinstance(r, InferenceWorkerSet)],
@@ -56,7 +70,7 @@ def compile_objects(objects: Iterable[Any], previous: Mapping[ObjectKey, Resourc
         [r for r in resources if isinstance(r, EndpointSlice)],
         problems,
     )
-    return Compiled(catalog, valid)
+    return Compiled(catalog, valid, seen)
 
 
 def _admit(
@@ -64,16 +78,22 @@ def _admit(
     previous: Mapping[ObjectKey, Resource],
     valid: dict[ObjectKey, Resource],
     problems: list[ObjectProblem],
+    parsed: Mapping[VersionKey, Parsed],
+    seen: dict[VersionKey, Parsed],
 ) -> None:
     """Add one object to ``valid``, or record why not (and what stays in use instead)."""
     key = object_identity(obj) if isinstance(obj, Mapping) else ("(no kind)", "default", "(no name)")
-    try:
-        resource = parse_object(obj)
-    except UnsupportedKind as exc:
-        problems.append(ObjectProblem(*key, exc.detail))
+    version = _version_key(obj, key)
+    outcome = parsed.get(version) if version is not None else None
+    if outcome is None:
+        outcome = _parse(obj)
+    if version is not None:
+        seen[version] = outcome
+    if isinstance(outcome, UnsupportedKind):
+        problems.append(ObjectProblem(*key, outcome.detail))
         return
-    except InvalidObject as exc:
-        message = f"{exc.field_path}: {exc.detail}" if exc.field_path else exc.detail
+    if isinstance(outcome, InvalidObject):
+        message = f"{outcome.field_path}: {outcome.detail}" if outcome.field_path else outcome.detail
         kept = valid.get(key, previous.get(key))
         if kept is not None:
             valid[key] = kept
@@ -84,7 +104,21 @@ def _admit(
         problems.append(
             ObjectProblem(*key, "defined more than once in the file; the last definition is used")
         )
-    valid[key] = resource
+    valid[key] = outcome
+
+
+def _parse(obj: Any) -> Parsed:
+    try:
+        return parse_object(obj)
+    except InvalidObject as exc:
+        return exc.with_traceback(None)  # kept between builds: do not keep the frames too
+
+
+def _version_key(obj: Any, key: ObjectKey) -> VersionKey | None:
+    """None for objects without a resourceVersion (a file's): those are always parsed."""
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+    version = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
+    return (*key, version) if isinstance(version, str) and version else None
 
 
 class ProblemLog:

@@ -198,8 +198,8 @@ async def test_absent_required_type_is_an_error_naming_the_crd(kube_env: KubeEnv
         assert not reflector.synced
 
 
-async def test_oversized_event_is_skipped_and_the_watch_goes_on(kube_env: KubeEnv, namespace: str) -> None:
-    """An event over the size cap is dropped (its object keeps its last version); the next one applies."""
+async def test_oversized_event_is_skipped_and_a_list_catches_up(kube_env: KubeEnv, namespace: str) -> None:
+    """An event over the size cap is dropped and the watch ends; a new list shows what it held."""
     apply(kube_env, service("big", namespace), service("small", namespace))
     options = ReflectorOptions(max_event_bytes=4096)
     async with running(reflector_for(kube_env, [namespace], options=options)) as reflector:
@@ -210,7 +210,14 @@ async def test_oversized_event_is_skipped_and_the_watch_goes_on(kube_env: KubeEn
             lambda: reflector.objects[(namespace, "small")]["spec"]["ports"][0]["port"] == 81, "next event"
         )
         assert reflector.oversized == 1
-        assert "padding" not in reflector.objects[(namespace, "big")]["metadata"].get("annotations", {})
+        await wait_until(lambda: reflector.lists == 2, "list after the skipped event")
+        await wait_until(lambda: reflector.objects == kubectl_objects(kube_env, namespace), "caught up")
+        assert "padding" in reflector.objects[(namespace, "big")]["metadata"]["annotations"]
+
+        # A DELETED event carries the object: one too large to read must not leave it cached for ever.
+        kube_env.kubectl("delete", "service", "big", "-n", namespace)
+        await wait_until(lambda: (namespace, "big") not in reflector.objects, "deletion seen by a list")
+        assert reflector.oversized == 2 and reflector.lists == 3
 
 
 async def test_stopping_leaves_no_thread_behind(kube_env: KubeEnv) -> None:

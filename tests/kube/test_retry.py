@@ -8,7 +8,7 @@ import pytest
 
 from extproc.errors import KubeApiError
 from extproc.kube.resources import HTTP_ROUTES, SERVICES, WORKER_SETS, ResourceType
-from extproc.kube.retry import Backoff, Step, after_failure
+from extproc.kube.retry import Backoff, Step, after_failure, after_watch
 
 
 def test_backoff_doubles_up_to_the_maximum() -> None:
@@ -85,3 +85,21 @@ def test_missing_crd_is_an_error_that_says_so() -> None:
     assert result.relist and result.available
     assert result.error is not None
     assert "kinference.buoyant.io/v1alpha1 inferenceworkersets: is its CRD installed?" in result.error
+
+
+def test_watches_cut_early_by_a_proxy_do_not_grow_the_backoff() -> None:
+    """A watch that delivered something, or stayed open a few seconds, worked: watch again at once."""
+    backoff = Backoff(initial=0.5, maximum=30.0, jitter=0.0)
+    for _ in range(20):  # e.g. a proxy that ends every watch after 10 s, quiet cluster
+        assert after_watch(backoff, delivered=0, lasted=10.0) == 0.0
+    for _ in range(20):  # cut after a second, but events (or bookmarks) came through
+        assert after_watch(backoff, delivered=3, lasted=1.0) == 0.0
+    assert backoff.failures == 0
+
+
+def test_watches_that_end_at_once_back_off() -> None:
+    """A server that ends every watch at once, with nothing, is not asked again in a tight loop."""
+    backoff = Backoff(initial=0.5, maximum=30.0, jitter=0.0)
+    assert [after_watch(backoff, delivered=0, lasted=0.01) for _ in range(4)] == [0.5, 1, 2, 4]
+    assert after_watch(backoff, delivered=1, lasted=0.01) == 0.0
+    assert after_watch(backoff, delivered=0, lasted=0.01) == 0.5

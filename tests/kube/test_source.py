@@ -286,6 +286,67 @@ async def test_edit_the_router_cannot_use_keeps_the_previous_version(kube_env: K
         assert problem.kept_previous
 
 
+async def test_status_writes_and_unrelated_services_do_not_rebuild(kube_env: KubeEnv) -> None:
+    """The reconciler's status PATCHes and Services no worker set refers to cost no build."""
+    ns = kube_env.new_namespace("quiet")
+    apply(kube_env, cluster_objects(ns))
+    async with watching(kube_env, [ns]) as (source, published):
+        await wait_until(lambda: published.latest is not None, "first catalog")
+        builds = source.builds
+        status = json.dumps({"status": {"state": "Ready"}})
+        kube_env.kubectl(
+            "patch", "inferenceworkerset", "llama", "-n", ns,
+            "--subresource=status", "--type=merge", "-p", status,
+        )  # fmt: skip
+        kube_env.kubectl("annotate", "service", "unrelated", "-n", ns, "touched=yes")
+        worker_sets, services, _ = (r.objects for r in source.reflectors)
+        await wait_until(
+            lambda: (
+                "status" in worker_sets[(ns, "llama")]
+                and "touched" in services[(ns, "unrelated")]["metadata"].get("annotations", {})
+            ),
+            "both changes seen",
+        )
+        await wait_until(lambda: source.skipped >= 1, "the changes looked at")
+        await asyncio.sleep(source.debounce * 4)
+        assert source.builds == builds and len(published.catalogs) == 1
+
+        # A worker set that refers to the Service later sees it at once.
+        apply(kube_env, [worker_set(ns, "late", "unrelated", 8080, models=[{"name": "late"}])])
+        await wait_until(
+            lambda: WorkerSetKey(f"{ns}/late") in published.latest.worker_sets,  # type: ignore[union-attr]
+            "the new worker set",
+        )
+        late = published.latest.worker_sets[WorkerSetKey(f"{ns}/late")]  # type: ignore[union-attr]
+        assert not any("not found" in problem for problem in late.problems)
+
+
+async def test_a_failing_publish_does_not_stop_the_watch(kube_env: KubeEnv) -> None:
+    """A bug in whoever takes the catalog is logged and counted; later changes still arrive."""
+    ns = kube_env.new_namespace("pubfail")
+    apply(kube_env, cluster_objects(ns))
+    settings = SourceSettings(kind="kube", namespaces=(ns,), kubeconfig=kube_env.kubeconfig)
+    source = KubeSource(settings, options=ReflectorOptions(watch_timeout=5, backoff_max=1.0))
+    published = Published()
+
+    def publish(catalog: Catalog) -> None:
+        if source.publish_failed == 0:
+            raise RuntimeError("publish bug")
+        published(catalog)
+
+    task = asyncio.create_task(source.watch(publish))
+    try:
+        await wait_until(lambda: source.publish_failed == 1, "the failed publish")
+        kube_env.kubectl("delete", "inferenceworkerset", "qwen", "-n", ns)
+        await wait_until(lambda: published.latest is not None, "the next catalog")
+        assert WorkerSetKey(f"{ns}/qwen") not in published.latest.worker_sets  # type: ignore[union-attr]
+        assert not task.done() and source.debug_state()["publishFailed"] == 1
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 # -- end to end: serve --source kube, through real Envoy ----------------------------------------------
 
 

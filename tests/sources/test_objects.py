@@ -74,3 +74,23 @@ def test_problems_are_logged_once_while_they_last(caplog: pytest.LogCaptureFixtu
         assert problems.report(bad) == 1
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and all(line.startswith("catalog problem source=test") for line in lines)
+
+
+def with_versions(objects: list[dict[str, Any]], version: str) -> list[dict[str, Any]]:
+    return [{**o, "metadata": {**o["metadata"], "resourceVersion": version}} for o in objects]
+
+
+def test_unchanged_versions_are_not_parsed_again() -> None:
+    """The kube source rebuilds often: an object whose resourceVersion did not move keeps its parse."""
+    first = compile_objects(with_versions(fixture_objects(), "1"), {})
+    assert len(first.parsed) == len(fixture_objects())
+    # Same resourceVersion, different content: only a reused parse explains the old block size.
+    same_version = with_versions(with_block_size(fixture_objects(), "llama-3-8b", 32), "1")
+    reused = compile_objects(same_version, first.valid, first.parsed)
+    assert reused.catalog == first.catalog
+    moved = with_versions(with_block_size(fixture_objects(), "llama-3-8b", "big"), "2")
+    second = compile_objects(moved, first.valid, reused.parsed)
+    assert second.catalog.worker_sets[LLAMA] == first.catalog.worker_sets[LLAMA]
+    [problem] = second.catalog.problems
+    assert problem.kept_previous
+    assert compile_objects(moved, second.valid, second.parsed).catalog == second.catalog
