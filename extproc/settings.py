@@ -30,6 +30,23 @@ def parse_host_port(value: str, *, what: str) -> tuple[str, int]:
     return host, port
 
 
+def parse_namespaces(text: str | None) -> tuple[str, ...] | None:
+    """``--namespaces a,b`` -> the names (blanks dropped); None (flag absent) -> None: all namespaces.
+    :func:`check_namespaces` validates the result."""
+    return None if text is None else tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+def check_namespaces(namespaces: tuple[str, ...] | None) -> None:
+    """Refuse an empty list or a name that cannot be a namespace (ConfigError naming ``--namespaces``)."""
+    if namespaces is None:
+        return
+    if not namespaces:
+        raise ConfigError("--namespaces: give at least one namespace, or leave it out for all")
+    for namespace in namespaces:
+        if not _DNS_LABEL.fullmatch(namespace):
+            raise ConfigError(f"--namespaces: {namespace!r} is not a namespace name (RFC 1123 label)")
+
+
 @dataclass(frozen=True, slots=True)
 class SourceSettings:
     """Where the catalog comes from: a YAML file (``file``) or the cluster's API server (``kube``)."""
@@ -55,12 +72,7 @@ class SourceSettings:
             raise ConfigError("--namespaces and --kubeconfig apply to --source kube only")
         if self.poll_interval <= 0:
             raise ConfigError(f"--source-poll-interval must be positive, got {self.poll_interval}")
-        if self.namespaces is not None:
-            if not self.namespaces:
-                raise ConfigError("--namespaces: give at least one namespace, or leave it out for all")
-            for namespace in self.namespaces:
-                if not _DNS_LABEL.fullmatch(namespace):
-                    raise ConfigError(f"--namespaces: {namespace!r} is not a namespace name (RFC 1123 label)")
+        check_namespaces(self.namespaces)
 
     @classmethod
     def parse(
@@ -72,7 +84,7 @@ class SourceSettings:
         kubeconfig: Path | None = None,
     ) -> SourceSettings:
         """``file:PATH`` or ``kube``; ``namespaces`` is the ``--namespaces a,b`` text."""
-        listed = None if namespaces is None else tuple(n.strip() for n in namespaces.split(",") if n.strip())
+        listed = parse_namespaces(namespaces)
         if spec == "kube":
             return cls(kind="kube", namespaces=listed, kubeconfig=kubeconfig, poll_interval=poll_interval)
         kind, sep, rest = spec.partition(":")
@@ -211,8 +223,7 @@ class ReconcileSettings:
             raise ConfigError("--identity must not be empty")
         if not self.serve_admin.startswith(("http://", "https://")):
             raise ConfigError(f"--serve-admin: expected an http:// URL, got {self.serve_admin!r}")
-        if self.namespaces is not None and not all(self.namespaces):
-            raise ConfigError(f"--namespaces: empty name in {list(self.namespaces)}")
+        check_namespaces(self.namespaces)
         for flag, value in (
             ("--serve-poll-interval", self.serve_poll_interval),
             ("--serve-timeout", self.serve_timeout),

@@ -10,7 +10,9 @@ status differs from the stored one. It writes nothing else: never spec, never me
 Write outcomes: 404 means the set was deleted meanwhile (fine); 409 / 422 and failures to reach
 the API server are logged with the object's name and retried with per-object backoff. A status
 just written is used as the previous one until the watch shows it, so a fast second change does
-not re-stamp transition times from a stale copy.
+not re-stamp transition times from a stale copy. When the server keeps a status other than the one
+sent (its schema prunes a field), the set is not written again until what we compute or what is
+stored changes: rewriting every pass would change nothing.
 """
 
 from __future__ import annotations
@@ -23,12 +25,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from extproc.engines.waiting import sleep_or_wake
-from extproc.errors import ConfigError, KubeApiError
+from extproc.errors import KubeApiError
 from extproc.kube.reflector import Reflector
 from extproc.kube.resources import ENDPOINT_SLICES, HTTP_ROUTES, SERVICES, WORKER_SETS, ResourceType
 from extproc.kube.retry import Backoff
@@ -38,8 +38,8 @@ from extproc.reconcile.lease import LeaderElector
 from extproc.reconcile.references import references_by_set
 from extproc.reconcile.serve_state import ServeWatcher
 from extproc.reconcile.status import RouterSide, compute_status, status_differs, status_patch
+from extproc.server.admin import admin_app, start_admin
 from extproc.settings import ReconcileSettings, parse_host_port
-from extproc.tasks import cancel_and_wait
 from extproc.telemetry import LogLimiter
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,20 @@ class _Written:
     at: float
     resource_version: str | None
     status: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class NoOpWrite:
+    """A write the server answered by keeping a status other than the one sent."""
+
+    sent: dict[str, Any]
+    kept: Any
+
+
+def write_is_futile(noop: NoOpWrite | None, stored: Any, computed: dict[str, Any]) -> bool:
+    """Whether writing ``computed`` would only repeat a write the server already reduced to what is
+    stored (pure)."""
+    return noop is not None and computed == noop.sent and stored == noop.kept
 
 
 class ReconcileMetrics:
@@ -119,10 +133,12 @@ class Reconciler:
             now=now,
             monotonic=monotonic,
         )
+        store.timeout = self.elector.write_timeout
         self.metrics = ReconcileMetrics()
         self.metrics.leader.set_function(lambda: float(self.elector.is_leader))
         self.metrics.serve_reachable.set_function(lambda: float(self.serve.reachable))
         self._written: dict[str, _Written] = {}
+        self._noop: dict[str, NoOpWrite] = {}
         #: Sets whose last write the server refused (409/422): backoff and when to try again.
         self._retry: dict[str, tuple[Backoff, float]] = {}
         #: After the API server did not answer a write: when the next pass may write again.
@@ -137,26 +153,29 @@ class Reconciler:
         self._wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:
-        runner = await self._start_admin()
-        tasks = [
-            asyncio.create_task(r.run(), name=f"reflect-{rt.plural}") for rt, r in self.reflectors.items()
-        ]
-        tasks.append(asyncio.create_task(self.elector.run(), name="lease"))
-        tasks.append(asyncio.create_task(self._loop(), name="reconcile"))
-        self.serve.start()
-        log.info(
-            "reconciling identity=%s namespaces=%s serve=%s admin=%s:%d",
-            self.settings.identity,
-            ",".join(self.settings.namespaces or ("*",)),
-            self.settings.serve_admin,
-            parse_host_port(self.settings.admin_listen, what="--admin-listen")[0],
-            self.admin_port,
-        )
+        app = admin_app(registry=self.metrics.registry, state=self.debug_state)
+        runner, self.admin_port = await start_admin(app, self.settings.admin_listen)
         try:
-            await stop.wait()
+            async with asyncio.TaskGroup() as group:
+                tasks = [
+                    group.create_task(r.run(), name=f"reflect-{rt.plural}")
+                    for rt, r in self.reflectors.items()
+                ]
+                tasks.append(group.create_task(self.elector.run(), name="lease"))
+                tasks.append(group.create_task(self._loop(), name="reconcile"))
+                self.serve.start()
+                log.info(
+                    "reconciling identity=%s namespaces=%s serve=%s admin=%s:%d",
+                    self.settings.identity,
+                    ",".join(self.settings.namespaces or ("*",)),
+                    self.settings.serve_admin,
+                    parse_host_port(self.settings.admin_listen, what="--admin-listen")[0],
+                    self.admin_port,
+                )
+                await stop.wait()
+                for task in tasks:
+                    task.cancel()
         finally:
-            for task in tasks:
-                await cancel_and_wait(task)
             await self.elector.release()
             await self.serve.close()
             await runner.cleanup()
@@ -197,10 +216,11 @@ class Reconciler:
         written = 0
         self.metrics.passes.inc()
         self.last_pass = self._monotonic()
-        for key in set(self._written) - set(facts):
-            del self._written[key]
-        for key in set(self._retry) - set(facts):
-            del self._retry[key]
+        for key in (set(self._written) | set(self._retry) | set(self._noop)) - set(facts):
+            self._written.pop(key, None)
+            self._retry.pop(key, None)
+            self._noop.pop(key, None)
+            self._log_limiter.forget(key)
         for key in sorted(facts):
             router = RouterSide(
                 reachable=view is not None,
@@ -212,6 +232,8 @@ class Reconciler:
                 facts[key], routes=references.get(key, []), router=router, previous=previous, now=now
             )
             if not status_differs(previous, status) or not self._due(key):
+                continue
+            if write_is_futile(self._noop.get(key), facts[key].obj.get("status"), status):
                 continue
             if not self.elector.is_leader:
                 break  # leadership ended mid-pass: the new leader writes the rest
@@ -245,7 +267,14 @@ class Reconciler:
         """Patch one set's status; the outcome (``ok``, ``gone``, ``refused`` or ``unreachable``)."""
         namespace, name = key.split("/", 1)
         try:
-            kept = await asyncio.to_thread(patch_status, self._api, namespace, name, status_patch(status))
+            kept = await asyncio.to_thread(
+                patch_status,
+                self._api,
+                namespace,
+                name,
+                status_patch(status),
+                timeout=self.elector.write_timeout,
+            )
         except KubeApiError as exc:
             return self._failed(key, exc)
         self.metrics.writes.labels("ok").inc()
@@ -254,8 +283,12 @@ class Reconciler:
         self._outage_until = None
         metadata = kept.get("metadata", {})
         kept_status = kept.get("status")
-        if status_differs(kept_status, status) and self._log_limiter.allow(key, "kept"):
-            log.warning("status stored differs from what was sent worker_set=%s (CRD schema?)", key)
+        if status_differs(kept_status, status):
+            self._noop[key] = NoOpWrite(status, kept_status)
+            if self._log_limiter.allow(key, "kept"):
+                log.warning("status stored differs from what was sent worker_set=%s (CRD schema?)", key)
+        else:
+            self._noop.pop(key, None)
         self._written[key] = _Written(
             self._monotonic(),
             metadata.get("resourceVersion") if isinstance(metadata, dict) else None,
@@ -300,33 +333,3 @@ class Reconciler:
             if self._outage_until is None
             else max(round(self._outage_until - self._monotonic(), 3), 0.0),
         }
-
-    async def _start_admin(self) -> web.AppRunner:
-        registry = self.metrics.registry
-
-        async def metrics(_: web.Request) -> web.Response:
-            response = web.Response(body=generate_latest(registry))
-            response.headers["Content-Type"] = CONTENT_TYPE_LATEST
-            return response
-
-        async def healthz(_: web.Request) -> web.Response:
-            return web.Response(text="ok\n")
-
-        async def state(_: web.Request) -> web.Response:
-            body = orjson.dumps(self.debug_state(), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
-            return web.Response(body=body, content_type="application/json")
-
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        app.router.add_get("/healthz", healthz)
-        app.router.add_get("/debug/state", state)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        host, port = parse_host_port(self.settings.admin_listen, what="--admin-listen")
-        try:
-            await web.TCPSite(runner, host, port).start()
-        except OSError as exc:
-            await runner.cleanup()
-            raise ConfigError(f"--admin-listen {self.settings.admin_listen}: {exc.strerror}") from None
-        self.admin_port = int(runner.addresses[0][1]) if runner.addresses else port
-        return runner

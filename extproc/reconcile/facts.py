@@ -43,11 +43,6 @@ class SetFacts:
     #: Name conflicts this set loses on its declared models.
     conflicts: tuple[NameConflict, ...] = ()
 
-    @property
-    def key(self) -> str:
-        _, namespace, name = object_identity(self.obj)
-        return f"{namespace}/{name}"
-
 
 def gather_facts(
     worker_sets: Iterable[Mapping[str, Any]],

@@ -8,10 +8,10 @@ caller decides: 404 the object is gone, 409 someone else changed it, 422 the ser
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import urllib3
-from kubernetes.client.exceptions import ApiException
 
 from extproc.errors import KubeApiError
 from extproc.kube.client import error_message
@@ -19,14 +19,22 @@ from extproc.kube.resources import LEASES, WORKER_SETS
 from extproc.kube.wire import json_object
 from extproc.reconcile.lease import LeaseConflict
 
-#: (connect, read) seconds: writes are small, and a stuck one must not hold leadership decisions.
-TIMEOUT = (5.0, 15.0)
+#: Seconds a request may take in all by default. The reconciler passes the leader's write budget
+#: (:attr:`~extproc.reconcile.lease.LeaderElector.write_timeout`): a write must not land after a
+#: takeover.
+TIMEOUT = 5.0
 
 MERGE_PATCH = "application/merge-patch+json"
 
 
 def request_json(
-    api: Any, method: str, path: str, *, body: Any = None, content_type: str = "application/json"
+    api: Any,
+    method: str,
+    path: str,
+    *,
+    body: Any = None,
+    content_type: str = "application/json",
+    timeout: float = TIMEOUT,
 ) -> dict[str, Any]:
     """Send one request with a JSON body; the JSON answer, or KubeApiError (blocking)."""
     headers = {"Accept": "application/json"}
@@ -36,32 +44,46 @@ def request_json(
         method, path, header_params=headers, body=body, auth_settings=["BearerToken"]
     )
     try:
-        response = api.call_api(method, url, header_params=headers, body=serialized, _request_timeout=TIMEOUT)
-        data = response.read()
-    except (urllib3.exceptions.HTTPError, OSError, ApiException) as exc:
+        # The client's own pool (TLS, proxy), but one bounded try: urllib3's default retries
+        # would let a write land long after the caller gave up on it.
+        response = api.rest_client.pool_manager.request(
+            method,
+            url,
+            headers=headers,
+            body=None if serialized is None else json.dumps(serialized).encode(),
+            timeout=urllib3.Timeout(total=timeout),
+            retries=False,
+        )
+        data = response.data
+    except (urllib3.exceptions.HTTPError, OSError) as exc:
         raise KubeApiError(0, f"{method} {path}: no answer: {exc}") from exc
     if not 200 <= response.status < 300:
         raise KubeApiError(response.status, f"{method} {path}: {error_message(response.status, data)}")
     return json_object(data, f"answer to {method} {path}")
 
 
-def patch_status(api: Any, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+def patch_status(
+    api: Any, namespace: str, name: str, patch: dict[str, Any], *, timeout: float = TIMEOUT
+) -> dict[str, Any]:
     """Merge-patch one InferenceWorkerSet's status subresource; the object as the server kept it."""
     path = WORKER_SETS.path(namespace, name) + "/status"
-    return request_json(api, "PATCH", path, body=patch, content_type=MERGE_PATCH)
+    return request_json(api, "PATCH", path, body=patch, content_type=MERGE_PATCH, timeout=timeout)
 
 
 class KubeLeaseStore:
     """One Lease, read and written with optimistic concurrency (a :class:`LeaseStore`)."""
 
-    def __init__(self, api: Any, *, namespace: str, name: str) -> None:
+    def __init__(self, api: Any, *, namespace: str, name: str, timeout: float = TIMEOUT) -> None:
         self._api = api
         self.namespace = namespace
         self.name = name
+        self.timeout = timeout
 
     def get(self) -> dict[str, Any] | None:
         try:
-            return request_json(self._api, "GET", LEASES.path(self.namespace, self.name))
+            return request_json(
+                self._api, "GET", LEASES.path(self.namespace, self.name), timeout=self.timeout
+            )
         except KubeApiError as exc:
             if exc.status == 404:
                 return None
@@ -75,7 +97,9 @@ class KubeLeaseStore:
             "spec": spec,
         }
         try:
-            return request_json(self._api, "POST", LEASES.path(self.namespace), body=body)
+            return request_json(
+                self._api, "POST", LEASES.path(self.namespace), body=body, timeout=self.timeout
+            )
         except KubeApiError as exc:
             if exc.status == 409:
                 raise LeaseConflict(exc.message) from exc
@@ -87,7 +111,9 @@ class KubeLeaseStore:
             metadata["resourceVersion"] = resource_version
         body = {"apiVersion": LEASES.api_version, "kind": LEASES.kind, "metadata": metadata, "spec": spec}
         try:
-            return request_json(self._api, "PUT", LEASES.path(self.namespace, self.name), body=body)
+            return request_json(
+                self._api, "PUT", LEASES.path(self.namespace, self.name), body=body, timeout=self.timeout
+            )
         except KubeApiError as exc:
             if exc.status in (404, 409):  # deleted or changed since we read it
                 raise LeaseConflict(exc.message) from exc

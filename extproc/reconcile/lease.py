@@ -1,15 +1,19 @@
 """Leader election on a ``coordination.k8s.io/v1`` Lease: one reconciler replica writes status.
 
-:func:`decide` is the whole policy, pure: given the Lease as read (or None), who we are and the
-time, create it, take it over (absent holder, or ``renewTime + leaseDurationSeconds`` passed),
-renew it (we hold it) or wait. :class:`LeaderElector` runs it: read, decide, write with the read
-``resourceVersion`` (a 409 means another replica won the race), every ``renew_interval`` while
-leading and every ``retry_interval`` otherwise.
+:func:`decide` is the whole policy, pure: given the Lease as read (or None), who we are and how
+long it has stood unchanged, create it, take it over (absent holder, or unchanged for
+``leaseDurationSeconds``), renew it (we hold it) or wait. :class:`LeaderElector` runs it: read,
+decide, write with the read ``resourceVersion`` (a 409 means another replica won the race), every
+``renew_interval`` while leading and every ``retry_interval`` otherwise (and after a failed
+renewal).
 
-Safety: a leader that has not renewed for ``renew_deadline`` (shorter than the lease duration)
-stops calling itself leader before anyone else may take over, so two replicas never write at once
-as long as their clocks roughly agree. On a clean stop the holder is cleared, and the other
-replica takes over at its next retry instead of a lease duration later.
+Safety: another holder's lease expires when its record has not changed for the lease duration
+since we first saw it, on our monotonic clock (as client-go judges it): wall clocks of different
+nodes are never compared. A leader counts its renewal from before it sent it and stops calling
+itself leader ``renew_deadline`` (shorter than the lease duration) later, before anyone else may
+take over. Its writes are bounded by ``duration - renew_deadline`` seconds and never retried by
+urllib3, so none is sent late enough to land after a takeover. On a clean stop the holder is
+cleared, and the other replica takes over at its next retry instead of a lease duration later.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -70,21 +74,22 @@ class LeaseRecord:
             resource_version=version if isinstance(version, str) else None,
         )
 
-    def expired(self, now: datetime, default_duration: float) -> bool:
-        """No holder, or the holder's last renewal is older than the lease's duration."""
+    def expired(self, unchanged_for: float, default_duration: float) -> bool:
+        """No holder, or the record has stood unchanged (as we observed it) longer than its duration."""
         if self.holder is None or self.renew_time is None:
             return True
         duration = self.duration_seconds if self.duration_seconds is not None else default_duration
-        return self.renew_time + timedelta(seconds=duration) < now
+        return unchanged_for > duration
 
 
-def decide(record: LeaseRecord | None, *, me: str, now: datetime, duration: float) -> Action:
-    """What to do with the Lease (pure); see the module docstring."""
+def decide(record: LeaseRecord | None, *, me: str, unchanged_for: float, duration: float) -> Action:
+    """What to do with the Lease (pure); ``unchanged_for``: seconds since we first observed this
+    exact record (our monotonic clock). See the module docstring."""
     if record is None:
         return Action.CREATE
     if record.holder == me:
         return Action.RENEW
-    if record.expired(now, duration):
+    if record.expired(unchanged_for, duration):
         return Action.TAKE_OVER
     return Action.WAIT
 
@@ -180,9 +185,18 @@ class LeaderElector:
         self._monotonic = monotonic
         self._renewed_at: float | None = None
         self._record: LeaseRecord | None = None
+        #: The last record read, and when (monotonic) we first saw it as it is.
+        self._observed: LeaseRecord | None = None
+        self._observed_at = 0.0
         self._leading = False
         self._releasing = False
         self.last_error: str | None = None
+
+    @property
+    def write_timeout(self) -> float:
+        """Seconds any write made while leading may take: one sent just before the renew deadline
+        then still lands before another replica may take over."""
+        return self.duration - self.renew_deadline
 
     @property
     def is_leader(self) -> bool:
@@ -191,11 +205,20 @@ class LeaderElector:
 
     async def step(self) -> Action:
         """One round: read, decide, write. Returns what was decided (WAIT if a write lost)."""
+        # Before the read: the renewal we may write lands after this, so leadership counted from
+        # here ends no later than others (who count from when they see it) may take over.
+        started = self._monotonic()
         try:
             obj = await asyncio.to_thread(self._store.get)
             record = None if obj is None else LeaseRecord.from_object(obj)
+            # After the read, the other way round: the holder renewed before we saw it.
+            seen = self._monotonic()
+            if record != self._observed:
+                self._observed, self._observed_at = record, seen
             now = self._now()
-            action = decide(record, me=self.identity, now=now, duration=self.duration)
+            action = decide(
+                record, me=self.identity, unchanged_for=seen - self._observed_at, duration=self.duration
+            )
             if action is not Action.WAIT:
                 spec = lease_spec(action, record, me=self.identity, now=now, duration=self.duration)
                 if action is Action.CREATE:
@@ -203,8 +226,9 @@ class LeaderElector:
                 else:
                     assert record is not None
                     written = await asyncio.to_thread(self._store.replace, spec, record.resource_version)
-                self._record = LeaseRecord.from_object(written)
-                self._renewed_at = self._monotonic()
+                self._record = self._observed = LeaseRecord.from_object(written)
+                self._observed_at = seen
+                self._renewed_at = started
                 self.last_error = None
                 if action is not Action.RENEW:
                     log.info("lease acquired identity=%s action=%s", self.identity, action.value)
@@ -225,9 +249,14 @@ class LeaderElector:
     async def run(self) -> None:
         """Forever: renew while leading, retry otherwise."""
         while True:
-            await self.step()
-            await asyncio.sleep(self.renew_interval if self.is_leader else self.retry_interval)
+            action = await self.step()
+            await asyncio.sleep(self.next_interval(action))
             self._notify()  # the renew deadline may have passed while we slept
+
+    def next_interval(self, action: Action) -> float:
+        """Seconds until the next step: a leader whose renewal failed retries soon, so one failure
+        does not run out its renew deadline."""
+        return self.renew_interval if self.is_leader and action is not Action.WAIT else self.retry_interval
 
     async def release(self) -> None:
         """Give the lease up if we hold it (one try: on a clean stop only)."""

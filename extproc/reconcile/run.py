@@ -13,7 +13,7 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 
-from extproc.settings import ReconcileSettings
+from extproc.settings import ReconcileSettings, parse_namespaces
 
 
 def add_reconcile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -37,6 +37,9 @@ def add_reconcile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument(
         "--serve-poll-interval", type=float, default=2.0, help="seconds between reads of serve (2)"
     )
+    p.add_argument(
+        "--serve-timeout", type=float, default=1.5, help="seconds one read of serve may take (1.5)"
+    )
     p.add_argument("--lease-name", default="extproc-reconciler", help="Lease name (extproc-reconciler)")
     p.add_argument(
         "--lease-namespace", default=None, help="Lease namespace (default: $POD_NAMESPACE, else default)"
@@ -58,13 +61,15 @@ def add_reconcile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
 
 def reconcile_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> ReconcileSettings:
     """Flags (and the pod's environment for two defaults) -> validated settings."""
-    namespaces = tuple(n.strip() for n in args.namespaces.split(",")) if args.namespaces else None
+    # An empty --namespaces means all, as leaving it out does.
+    namespaces = parse_namespaces(args.namespaces or None)
     return ReconcileSettings(
         identity=args.identity or environ.get("POD_NAME") or socket.gethostname(),
         kubeconfig=args.kubeconfig,
         namespaces=namespaces,
         serve_admin=args.serve_admin,
         serve_poll_interval=args.serve_poll_interval,
+        serve_timeout=args.serve_timeout,
         lease_name=args.lease_name,
         lease_namespace=args.lease_namespace or environ.get("POD_NAMESPACE") or "default",
         lease_duration=args.lease_duration,

@@ -1,4 +1,5 @@
-"""What the ``serve`` container beside us knows: its ``/debug/state``, section ``workerSetStatus``.
+"""What the ``serve`` container beside us knows: its ``/debug/worker-sets`` (the ``workerSetStatus``
+section of ``/debug/state``, alone and compact, so a poll does not build and parse the whole state).
 
 :func:`parse_router_view` turns that JSON (built by :mod:`extproc.server.observed`) into typed
 records, tolerantly: a field of the wrong shape is dropped rather than failing the whole set, since
@@ -11,7 +12,6 @@ condition), and ``on_change()`` is called whenever the view changes.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -19,20 +19,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 
 from extproc.engines.http import fetch_bounded
-from extproc.engines.waiting import sleep_or_wake
 from extproc.tasks import cancel_and_wait
 from extproc.telemetry import LogLimiter
 
 log = logging.getLogger(__name__)
 
-#: ``/debug/state`` names every endpoint; allow large fleets but never buffer without end.
+#: ``/debug/worker-sets`` lists every set's models: allow large fleets but never buffer without end.
 MAX_STATE_BYTES = 64 * 1024 * 1024
 
 
 class ServeStateError(Exception):
-    """``/debug/state`` answered, but not with JSON we can read."""
+    """``/debug/worker-sets`` answered, but not with JSON we can read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +75,13 @@ class RouterView:
 
 
 def parse_router_view(document: Any) -> RouterView:
-    """Read ``/debug/state`` (pure). Raises :class:`ServeStateError` only when the section is missing,
-    which means a ``serve`` too old to report it."""
-    if not isinstance(document, dict) or not isinstance(document.get("workerSetStatus"), dict):
-        raise ServeStateError('/debug/state has no "workerSetStatus" section (serve too old?)')
+    """Read ``/debug/worker-sets`` (pure). Raises :class:`ServeStateError` only when it is not a JSON
+    object of sets."""
+    if not isinstance(document, dict):
+        raise ServeStateError("/debug/worker-sets is not a JSON object of worker sets")
     sets = {
         key: _set_view(entry)
-        for key, entry in document["workerSetStatus"].items()
+        for key, entry in document.items()
         if isinstance(key, str) and isinstance(entry, dict)
     }
     return RouterView(sets)
@@ -134,7 +134,7 @@ def _strings(value: Any) -> tuple[str, ...]:
 
 
 class ServeWatcher:
-    """Polls the local ``serve``'s ``/debug/state``; see the module docstring."""
+    """Polls the local ``serve``'s ``/debug/worker-sets``; see the module docstring."""
 
     def __init__(
         self,
@@ -146,7 +146,7 @@ class ServeWatcher:
         failures_to_unavailable: int = 2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.url = base_url.rstrip("/") + "/debug/state"
+        self.url = base_url.rstrip("/") + "/debug/worker-sets"
         self._on_change = on_change
         self._interval = interval
         self._timeout = timeout
@@ -154,7 +154,6 @@ class ServeWatcher:
         self._log_limiter: LogLimiter[str] = LogLimiter(clock, 60.0)
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
         self._failures = 0
         #: The last view read, None until the first read and while ``serve`` is unavailable.
         self.view: RouterView | None = None
@@ -184,8 +183,8 @@ class ServeWatcher:
         first = self.polls == 0
         try:
             body = await self._fetch()
-            view = parse_router_view(json.loads(body))
-        except (TimeoutError, aiohttp.ClientError, ServeStateError, ValueError) as exc:
+            view = parse_router_view(orjson.loads(body))
+        except (TimeoutError, aiohttp.ClientError, ServeStateError, orjson.JSONDecodeError) as exc:
             self.polls += 1
             return self._failed(_describe(exc, self._timeout)) or first
         self.polls += 1
@@ -223,7 +222,7 @@ class ServeWatcher:
                     self._on_change()
             except Exception:
                 log.exception("serve state poll failed")
-            await sleep_or_wake(self._wake, self._interval)
+            await asyncio.sleep(self._interval)
 
 
 def _describe(exc: BaseException, timeout: float) -> str:

@@ -76,10 +76,11 @@ def compute_status(
         status["models"] = models
     if spec is not None:
         status["kvEvents"] = _kv_events(facts, router, previous)
+    refs = _resolved_refs(facts)
     conditions = [
         _accepted(facts, view, omitted),
-        _resolved_refs(facts),
-        _ready(facts, router, models or [], model_count),
+        refs,
+        _ready(facts, refs, router, models or [], model_count),
     ]
     if spec is not None and spec.kv_events is not None:
         conditions.append(_kv_events_ready(facts, router))
@@ -187,10 +188,11 @@ def _resolved_refs(facts: SetFacts) -> Condition:
     return Condition("ResolvedRefs", "True", "ResolvedRefs", f"{where} port {_show(ref)}")
 
 
-def _ready(facts: SetFacts, router: RouterSide, models: list[dict[str, Any]], total: int) -> Condition:
+def _ready(
+    facts: SetFacts, refs: Condition, router: RouterSide, models: list[dict[str, Any]], total: int
+) -> Condition:
     if facts.spec is None or facts.joined is None:
         return Condition("Ready", "False", "InvalidSpec", "the spec is invalid")
-    refs = _resolved_refs(facts)
     if refs.status != "True":
         return Condition("Ready", "False", refs.reason, refs.message)
     ready, terminating = len(facts.joined.endpoints), facts.joined.terminating

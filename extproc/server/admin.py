@@ -1,23 +1,58 @@
-"""The admin HTTP port: Prometheus ``/metrics`` and a read-only JSON ``/debug/state``.
+"""The admin HTTP port: Prometheus ``/metrics``, probes, and read-only JSON under ``/debug/``.
 
-Read-only by construction (GET routes only) and bound to loopback by default: the state names
-every pod address, which is for operators and the reconciler sidecar, not for clients.
+Read-only by construction (GET routes only) and bound to loopback by default. The deployment binds
+it to all addresses so Prometheus can scrape ``/metrics``; the ``/debug/`` routes (every pod
+address, the whole catalog) still answer loopback clients only (403 otherwise): operators use
+``kubectl port-forward`` or ``kubectl exec``, the reconciler sidecar shares the pod's loopback.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import ipaddress
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from extproc.errors import ConfigError
+from extproc.settings import parse_host_port
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def is_loopback(remote: str | None) -> bool:
+    """Whether a peer address (``request.remote``) is a loopback one; unknown peers are not."""
+    if not remote:
+        return False
+    try:
+        return ipaddress.ip_address(remote.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_only(handler: _Handler) -> _Handler:
+    """Wrap a handler so it answers 403 (a JSON error saying why) to non-loopback clients."""
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        if not is_loopback(request.remote):
+            error = {"error": f"{request.path} answers loopback clients only (from {request.remote})"}
+            return web.json_response(error, status=403, dumps=lambda v: orjson.dumps(v).decode())
+        return await handler(request)
+
+    return guarded
+
 
 def admin_app(
-    *, registry: CollectorRegistry, state: Callable[[], dict[str, Any]], ready: Callable[[], bool]
+    *,
+    registry: CollectorRegistry,
+    state: Callable[[], dict[str, Any]],
+    ready: Callable[[], bool] | None = None,
+    worker_sets: Callable[[], dict[str, Any]] | None = None,
 ) -> web.Application:
-    """The aiohttp application serving the admin routes."""
+    """The aiohttp application serving the admin routes (``/readyz`` and ``/debug/worker-sets``
+    only when given)."""
 
     async def metrics(_: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(registry))
@@ -31,14 +66,38 @@ def admin_app(
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
-    async def readyz(_: web.Request) -> web.Response:
-        if ready():
-            return web.Response(text="ready\n")
-        return web.Response(status=503, text="catalog not loaded\n")
-
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/debug/state", debug_state)
+    app.router.add_get("/debug/state", loopback_only(debug_state))
     app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
+    if ready is not None:
+        is_ready = ready
+
+        async def readyz(_: web.Request) -> web.Response:
+            if is_ready():
+                return web.Response(text="ready\n")
+            return web.Response(status=503, text="catalog not loaded\n")
+
+        app.router.add_get("/readyz", readyz)
+    if worker_sets is not None:
+        sets = worker_sets
+
+        # Compact: the reconciler sidecar polls it every few seconds.
+        async def debug_worker_sets(_: web.Request) -> web.Response:
+            return web.Response(body=orjson.dumps(sets()), content_type="application/json")
+
+        app.router.add_get("/debug/worker-sets", loopback_only(debug_worker_sets))
     return app
+
+
+async def start_admin(app: web.Application, listen: str) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on ``listen`` (the ``--admin-listen`` value); the runner and the bound port."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    host, port = parse_host_port(listen, what="--admin-listen")
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ConfigError(f"--admin-listen {listen}: {exc.strerror}") from None
+    return runner, int(runner.addresses[0][1]) if runner.addresses else port

@@ -29,7 +29,7 @@ from extproc.scheduling.policy import CacheThenLoad, LeastInFlight, Policy
 from extproc.scheduling.predictor import PredictedTTFT
 from extproc.scheduling.profiles import ProfileStore, profile_lookup
 from extproc.scheduling.scheduler import Scheduler
-from extproc.server.admin import admin_app
+from extproc.server.admin import admin_app, start_admin
 from extproc.server.budget import BodyBudget
 from extproc.server.health import HealthService
 from extproc.server.observed import observe_worker_sets
@@ -194,17 +194,20 @@ class Server:
 
     async def _start_admin(self) -> None:
         app = admin_app(
-            registry=self.metrics.registry, state=self.debug_state, ready=lambda: self.store.loaded
+            registry=self.metrics.registry,
+            state=self.debug_state,
+            ready=lambda: self.store.loaded,
+            worker_sets=self.worker_sets_state,
         )
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        host, port = parse_host_port(self.settings.admin_listen, what="--admin-listen")
-        self._admin = runner
-        try:
-            await web.TCPSite(runner, host, port).start()
-        except OSError as exc:
-            raise ConfigError(f"--admin-listen {self.settings.admin_listen}: {exc.strerror}") from None
-        self.admin_port = int(runner.addresses[0][1]) if runner.addresses else port
+        self._admin, self.admin_port = await start_admin(app, self.settings.admin_listen)
+
+    def worker_sets_state(self) -> dict[str, Any]:
+        """What ``/debug/worker-sets`` shows (the reconciler's input): each set as the router sees it."""
+        return observe_worker_sets(
+            self.store.current,
+            self.prefix.subscriptions.stats(),
+            profile_known=lambda name: self.profiles.resolve(name)[1],
+        )
 
     def debug_state(self) -> dict[str, Any]:
         """What ``/debug/state`` shows: the catalog, in-flight counts, and who we are."""
@@ -224,11 +227,7 @@ class Server:
                 "profiles": {name: p.to_debug() for name, p in sorted(self.profiles.profiles.items())},
             },
             "engines": self.scraper.debug_state() if self.settings.scrape_interval > 0 else {},
-            "workerSetStatus": observe_worker_sets(
-                self.store.current,
-                self.prefix.subscriptions.stats(),
-                profile_known=lambda name: self.profiles.resolve(name)[1],
-            ),
+            "workerSetStatus": self.worker_sets_state(),
         }
 
     async def stop(self) -> None:

@@ -26,16 +26,16 @@ def record(holder: str | None, renewed: datetime | None = T0, duration: int = 15
 
 
 @pytest.mark.parametrize(
-    ("lease", "now", "expected"),
+    ("lease", "unchanged_for", "expected"),
     [
-        (None, T0, Action.CREATE),
-        (record("me"), T0 + timedelta(seconds=5), Action.RENEW),
-        (record("me"), T0 + timedelta(seconds=60), Action.RENEW),
-        (record("other"), T0 + timedelta(seconds=10), Action.WAIT),
-        (record("other"), T0 + timedelta(seconds=15), Action.WAIT),
-        (record("other"), T0 + timedelta(seconds=16), Action.TAKE_OVER),
-        (record(None), T0, Action.TAKE_OVER),
-        (record("other", renewed=None), T0, Action.TAKE_OVER),
+        (None, 0, Action.CREATE),
+        (record("me"), 5, Action.RENEW),
+        (record("me"), 60, Action.RENEW),
+        (record("other"), 10, Action.WAIT),
+        (record("other"), 15, Action.WAIT),
+        (record("other"), 16, Action.TAKE_OVER),
+        (record(None), 0, Action.TAKE_OVER),
+        (record("other", renewed=None), 0, Action.TAKE_OVER),
     ],
     ids=[
         "absent",
@@ -48,9 +48,9 @@ def record(holder: str | None, renewed: datetime | None = T0, duration: int = 15
         "never-renewed",
     ],
 )
-def test_decide(lease: LeaseRecord | None, now: datetime, expected: Action) -> None:
-    """Create when absent, renew our own, take over when free or expired, else wait."""
-    assert decide(lease, me="me", now=now, duration=15) is expected
+def test_decide(lease: LeaseRecord | None, unchanged_for: float, expected: Action) -> None:
+    """Create when absent, renew our own, take over when free or unchanged too long, else wait."""
+    assert decide(lease, me="me", unchanged_for=unchanged_for, duration=15) is expected
 
 
 def test_take_over_counts_a_transition_and_renew_keeps_the_acquire_time() -> None:
@@ -152,6 +152,7 @@ async def test_one_leader_then_takeover_after_expiry() -> None:
     assert a.is_leader and not b.is_leader and a_changes == [True]
     clocks.seconds = 5
     assert await a.step() is Action.RENEW
+    assert await b.step() is Action.WAIT  # b sees the renewal at once
     clocks.seconds = 12  # a stops renewing (it is gone); its lease runs until 5 + 15
     assert await b.step() is Action.WAIT
     assert a.is_leader  # within its renew deadline
@@ -205,3 +206,76 @@ async def test_a_lost_race_is_a_wait() -> None:
     store.before_write = None
     assert await a.step() is Action.WAIT
     assert not a.is_leader
+
+
+class SkewedClocks(Clocks):
+    """A replica whose wall clock is off by ``skew`` seconds (its monotonic clock runs true)."""
+
+    def __init__(self, base: Clocks, skew: float) -> None:
+        super().__init__()
+        self.base, self.skew = base, skew
+
+    def now(self) -> datetime:
+        return self.base.now() + timedelta(seconds=self.skew)
+
+    def monotonic(self) -> float:
+        return self.base.seconds
+
+
+async def test_expiry_is_judged_on_the_local_clock_not_the_holders_renew_time() -> None:
+    """A replica whose wall clock runs a minute ahead does not take over a lease being renewed,
+    and takes over a stale one only a lease duration after it first saw it unchanged."""
+    store, clocks = MemoryLeaseStore(), Clocks()
+    a = elector(store, clocks, "a", [])
+    ahead = SkewedClocks(clocks, 60.0)
+    b = LeaderElector(store, identity="b", duration=15, now=ahead.now, monotonic=ahead.monotonic)
+    await a.step()
+    for second in (1, 5, 10, 15):
+        clocks.seconds = second
+        if second % 5 == 0:
+            assert await a.step() is Action.RENEW
+        assert await b.step() is Action.WAIT
+    # a stops renewing at 15; b first saw that record at 15.
+    clocks.seconds = 30
+    assert await b.step() is Action.WAIT
+    clocks.seconds = 30.5
+    assert await b.step() is Action.TAKE_OVER and b.is_leader
+
+
+async def test_leadership_counts_from_before_a_slow_renewal() -> None:
+    """A renewal that takes long does not extend leadership past the deadline counted from its start."""
+    store, clocks = MemoryLeaseStore(), Clocks()
+    a = elector(store, clocks, "a", [])
+    await a.step()
+    clocks.seconds = 5
+
+    def slow() -> None:
+        clocks.seconds = 12  # the write is answered 7 s after the step began
+
+    store.before_write = slow
+    assert await a.step() is Action.RENEW
+    clocks.seconds = 14.9
+    assert a.is_leader
+    clocks.seconds = 15.1  # 5 + 2/3 of 15: not 12 + 10
+    assert not a.is_leader
+
+
+async def test_a_leader_retries_a_failed_renewal_soon() -> None:
+    """After a failed renewal the leader tries again at the retry interval, not the renew interval."""
+    store, clocks = MemoryLeaseStore(), Clocks()
+    a = elector(store, clocks, "a", [])
+    action = await a.step()
+    assert a.next_interval(action) == a.renew_interval
+    store.fail = OSError("connection refused")
+    clocks.seconds = 5
+    action = await a.step()
+    assert a.is_leader and a.next_interval(action) == a.retry_interval
+    store.fail = None
+    clocks.seconds = 7
+    assert await a.step() is Action.RENEW and a.is_leader
+
+
+def test_writes_fit_between_the_renew_deadline_and_the_lease_duration() -> None:
+    """A write sent just before the renew deadline still lands before anyone may take over."""
+    a = LeaderElector(MemoryLeaseStore(), identity="a", duration=15)
+    assert a.renew_deadline + a.write_timeout == a.duration

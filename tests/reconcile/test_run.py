@@ -12,7 +12,7 @@ from processes import run_extproc
 from extproc.cli import build_parser
 from extproc.errors import ConfigError
 from extproc.reconcile.run import reconcile_settings
-from extproc.settings import ReconcileSettings
+from extproc.settings import ReconcileSettings, SourceSettings
 
 
 def settings(*flags: str, environ: dict[str, str] | None = None) -> ReconcileSettings:
@@ -84,3 +84,21 @@ async def test_missing_credentials_exit_with_code_2(monkeypatch: pytest.MonkeyPa
     code, output = await run_extproc("reconcile", "--kubeconfig", str(missing), "--identity", "r1")
     assert code == 2
     assert str(missing) in output
+
+
+@pytest.mark.parametrize("text", ["a,,b", " a , b ,"])
+def test_namespaces_parse_as_serve_parses_them(text: str) -> None:
+    """Blanks between commas are dropped, as `serve --namespaces` drops them; one parser for both."""
+    assert settings("--identity", "r1", "--namespaces", text).namespaces == ("a", "b")
+    assert SourceSettings.parse("kube", namespaces=text).namespaces == ("a", "b")
+
+
+def test_bad_namespace_names_are_refused_like_serves() -> None:
+    """A name that is no RFC 1123 label is refused by both commands alike."""
+    with pytest.raises(ConfigError, match="RFC 1123"):
+        settings("--identity", "r1", "--namespaces", "Bad_Name")
+
+
+def test_serve_timeout_flag() -> None:
+    """--serve-timeout bounds one read of serve."""
+    assert settings("--identity", "r1", "--serve-timeout", "0.5").serve_timeout == 0.5

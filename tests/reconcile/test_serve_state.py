@@ -1,4 +1,4 @@
-"""Reading the local serve's /debug/state: the parser, and the watcher against a real serve."""
+"""Reading the local serve's /debug/worker-sets: the parser, and the watcher against a real serve."""
 
 from __future__ import annotations
 
@@ -22,29 +22,27 @@ from extproc.settings import ServeSettings, SourceSettings
 DATA = Path(__file__).resolve().parents[1] / "data" / "catalog.yaml"
 
 
-def test_a_serve_without_the_section_is_an_error() -> None:
-    """An older serve that does not report worker sets is told apart from one with no sets."""
-    with pytest.raises(ServeStateError, match="workerSetStatus"):
-        parse_router_view({"catalog": {}})
-    assert parse_router_view({"workerSetStatus": {}}) == RouterView({})
+def test_an_answer_that_is_no_object_is_an_error() -> None:
+    """An answer that is not a JSON object of sets is told apart from one with no sets."""
+    with pytest.raises(ServeStateError, match="worker-sets"):
+        parse_router_view([])
+    assert parse_router_view({}) == RouterView({})
 
 
 def test_fields_of_the_wrong_shape_are_dropped() -> None:
     """Junk in one field does not lose the rest of the set."""
     document: dict[str, Any] = {
-        "workerSetStatus": {
-            "ns/a": {
-                "endpoints": {"ready": 3, "terminating": "two"},
-                "models": [
-                    {"upstreamName": "m", "readyEndpoints": True, "contextWindow": {"min": 1, "max": "x"}},
-                    {"aliases": ["nameless"]},
-                    "junk",
-                ],
-                "kvEvents": [],
-                "problems": ["p", 7],
-            },
-            "ns/b": "junk",
-        }
+        "ns/a": {
+            "endpoints": {"ready": 3, "terminating": "two"},
+            "models": [
+                {"upstreamName": "m", "readyEndpoints": True, "contextWindow": {"min": 1, "max": "x"}},
+                {"aliases": ["nameless"]},
+                "junk",
+            ],
+            "kvEvents": [],
+            "problems": ["p", 7],
+        },
+        "ns/b": "junk",
     }
     view = parse_router_view(document)
     assert list(view.sets) == ["ns/a"]

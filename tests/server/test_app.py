@@ -1,4 +1,4 @@
-"""The running server's side doors: gRPC health, /metrics, /debug/state (real sockets)."""
+"""The running server's side doors: gRPC health, /metrics, /debug/ routes (real sockets)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ from pathlib import Path
 
 import aiohttp
 import grpc
+import orjson
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.errors import ConfigError
+from extproc.server.admin import is_loopback
 from extproc.server.app import Server
 from extproc.settings import ServeSettings, SourceSettings
 
@@ -115,3 +117,60 @@ async def test_broken_catalog_edit_is_counted_and_keeps_routes(tmp_path: Path) -
         else:
             raise AssertionError("the failed reload never showed in /metrics")
         assert server.store.current.resolve("chat") is not None
+
+
+def _outward_address() -> str | None:
+    """This host's address on its default route (no packet is sent), None without one."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("198.51.100.1", 9))  # TEST-NET-2: routed, never reached
+            address: str = probe.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") else address
+
+
+async def test_debug_routes_answer_loopback_clients_only() -> None:
+    """Bound to all addresses (as deployed, for Prometheus), /metrics answers anyone but the
+    /debug/ routes answer a client from another address with a 403 saying why."""
+    address = _outward_address()
+    if address is None:
+        pytest.skip("no non-loopback address to connect from")
+    settings = ServeSettings(
+        source=SourceSettings.parse(f"file:{DATA}"), listen="127.0.0.1:0", admin_listen="0.0.0.0:0"
+    )
+    async with Server(settings) as running, aiohttp.ClientSession() as s:
+        outside = f"http://{address}:{running.admin_port}"
+        async with s.get(outside + "/metrics") as r:
+            assert r.status == 200
+        for path in ("/debug/state", "/debug/worker-sets"):
+            async with s.get(outside + path) as r:
+                assert r.status == 403
+                assert "loopback clients only" in (await r.json())["error"]
+            async with s.get(f"http://127.0.0.1:{running.admin_port}{path}") as r:
+                assert r.status == 200
+
+
+async def test_worker_sets_route_is_the_state_section(server: Server) -> None:
+    """/debug/worker-sets (what the reconciler polls) is /debug/state's workerSetStatus, compact."""
+    base = f"http://127.0.0.1:{server.admin_port}"
+    async with aiohttp.ClientSession() as s:
+        async with s.get(base + "/debug/worker-sets") as r:
+            body = await r.read()
+        async with s.get(base + "/debug/state") as r:
+            state = await r.json()
+    assert b"\n" not in body
+    assert orjson.loads(body) == state["workerSetStatus"]
+    assert "default/llama-3-8b" in state["workerSetStatus"]
+
+
+@pytest.mark.parametrize(
+    ("remote", "allowed"),
+    [("127.0.0.1", True), ("127.8.0.1", True), ("::1", True), ("10.0.0.5", False), ("fd00::2", False),
+     (None, False), ("junk", False)],
+)  # fmt: skip
+def test_loopback_check(remote: str | None, allowed: bool) -> None:
+    """Only loopback peers pass; an unknown peer does not."""
+    assert is_loopback(remote) is allowed
