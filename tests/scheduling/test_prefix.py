@@ -330,12 +330,34 @@ def test_lookups_are_counted_per_mode() -> None:
     assert router.scorer.counters.lookups == {"precise": 3, "approximate": 3, "none": 1}
 
 
-def test_data_parallel_pod_reports_the_rank_holding_the_prefix() -> None:
-    """A pod with 2 DP ranks is credited with its best rank's prefix, and that rank is named."""
+def dp_catalog(ips: list[str]) -> Catalog:
+    """One worker set of pods with 2 data-parallel ranks each, publishing KV events."""
     ws = iws("dp", models=[{"name": LLAMA}])
     ws["metadata"]["annotations"] = {"kinference.buoyant.io/data-parallel-size": "2"}
     ws["spec"]["kvEvents"] = {"port": 5557}
-    catalog = build(ws, svc("dp"), eps("dp-1", "dp", ["10.0.9.1", "10.0.9.2"]))
+    return build(ws, svc("dp"), eps("dp-1", "dp", ips))
+
+
+def match_after_rank1_stores(catalog: Catalog, *, medium: str) -> PrefixMatch:
+    """Rank 1 of 10.0.9.1 stores the first 3 blocks of ``PROMPTS[0]`` on ``medium``; that prompt's match."""
+    index = PrefixIndex(max_entries=10_000, max_entries_per_source=10_000)
+    for source, plan in plan_sources(catalog).items():
+        index.add_source(source, namespace=plan.namespace, block_size=plan.block_size)
+    path, payload = PROMPTS[0]
+    tokens = engine_tokens(path, payload)
+    digests = [hashlib.sha256(f"dp/{i}".encode()).digest() for i in range(3)]
+    event = BlockStored(tuple(digests), None, tuple(tokens[: 3 * 16]), 16, None, None, medium=medium)
+    payload_bytes = encode_batch([event], ts=0.0, dp_rank=1, encoding="maps", hash_format="int")
+    IndexIngest(index).on_batch(Source(EndpointAddress("10.0.9.1:8000"), 1), 0, payload_bytes)
+    scorer = PrefixScorer(index=index, tokenizers=REGISTRY, approx=ApproxPrefixIndex())
+    route = catalog.resolve(LLAMA)
+    assert route is not None
+    return scorer.match(catalog, route, PromptInput(path, payload), route.endpoints)
+
+
+def test_data_parallel_pod_reports_the_rank_holding_the_prefix() -> None:
+    """A pod with 2 DP ranks is credited with its best rank's prefix, and that rank is named."""
+    catalog = dp_catalog(["10.0.9.1", "10.0.9.2"])
     plans = plan_sources(catalog)
     assert sorted(plans) == [
         Source(EndpointAddress("10.0.9.1:8000"), 0),
@@ -344,19 +366,7 @@ def test_data_parallel_pod_reports_the_rank_holding_the_prefix() -> None:
         Source(EndpointAddress("10.0.9.2:8000"), 1),
     ]
     assert plans[Source(EndpointAddress("10.0.9.1:8000"), 1)].target.pub_address == "tcp://10.0.9.1:5558"
-    index = PrefixIndex(max_entries=10_000, max_entries_per_source=10_000)
-    for source, plan in plans.items():
-        index.add_source(source, namespace=plan.namespace, block_size=plan.block_size)
-    path, payload = PROMPTS[0]
-    tokens = engine_tokens(path, payload)
-    digests = [hashlib.sha256(f"dp/{i}".encode()).digest() for i in range(3)]
-    event = BlockStored(tuple(digests), None, tuple(tokens[: 3 * 16]), 16, None, None)
-    payload_bytes = encode_batch([event], ts=0.0, dp_rank=1, encoding="maps", hash_format="int")
-    IndexIngest(index).on_batch(Source(EndpointAddress("10.0.9.1:8000"), 1), 0, payload_bytes)
-    scorer = PrefixScorer(index=index, tokenizers=REGISTRY, approx=ApproxPrefixIndex())
-    route = catalog.resolve(LLAMA)
-    assert route is not None
-    match = scorer.match(catalog, route, PromptInput(path, payload), route.endpoints)
+    match = match_after_rank1_stores(catalog, medium="GPU")
     assert match.cached_tokens == {EndpointAddress("10.0.9.1:8000"): 48, EndpointAddress("10.0.9.2:8000"): 0}
     assert match.ranks == {EndpointAddress("10.0.9.1:8000"): 1}
 
@@ -390,23 +400,7 @@ def test_without_offload_tiers_no_lower_tier_tokens_are_reported() -> None:
 
 def test_data_parallel_pod_names_the_rank_whose_offload_tier_holds_the_prefix() -> None:
     """No GPU hit anywhere, rank 1 holds the prefix on CPU: rank 1 is named, its tokens count as offloaded."""
-    ws = iws("dp", models=[{"name": LLAMA}])
-    ws["metadata"]["annotations"] = {"kinference.buoyant.io/data-parallel-size": "2"}
-    ws["spec"]["kvEvents"] = {"port": 5557}
-    catalog = build(ws, svc("dp"), eps("dp-1", "dp", ["10.0.9.1"]))
-    index = PrefixIndex(max_entries=10_000, max_entries_per_source=10_000)
-    for source, plan in plan_sources(catalog).items():
-        index.add_source(source, namespace=plan.namespace, block_size=plan.block_size)
-    path, payload = PROMPTS[0]
-    tokens = engine_tokens(path, payload)
-    digests = [hashlib.sha256(f"dp/{i}".encode()).digest() for i in range(3)]
-    event = BlockStored(tuple(digests), None, tuple(tokens[: 3 * 16]), 16, None, None, medium="CPU")
-    payload_bytes = encode_batch([event], ts=0.0, dp_rank=1, encoding="maps", hash_format="int")
-    IndexIngest(index).on_batch(Source(EndpointAddress("10.0.9.1:8000"), 1), 0, payload_bytes)
-    scorer = PrefixScorer(index=index, tokenizers=REGISTRY, approx=ApproxPrefixIndex())
-    route = catalog.resolve(LLAMA)
-    assert route is not None
-    match = scorer.match(catalog, route, PromptInput(path, payload), route.endpoints)
+    match = match_after_rank1_stores(dp_catalog(["10.0.9.1"]), medium="CPU")
     assert match.cached_tokens == {EndpointAddress("10.0.9.1:8000"): 0}
     assert match.lower_tier_tokens == {EndpointAddress("10.0.9.1:8000"): 48}
     assert match.ranks == {EndpointAddress("10.0.9.1:8000"): 1}
