@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -133,29 +134,7 @@ def upper_bound(requests: Iterable[TraceRequest], *, engine_block: int = 16) -> 
     what the engines do on top: whole ``engine_block``-token blocks only, and at least one prompt token
     recomputed (vLLM caps a hit at ``prompt - 1`` tokens, in whole blocks).
     """
-    seen: dict[tuple[int, int], int] = {}  # (parent chain key, hash id) -> longest length seen
-    chain_ids: dict[tuple[int, int], int] = {}
-    total = hits = engine_hits = 0
-    for request in requests:
-        lengths = block_lengths(request)
-        total += request.input_length
-        matched = 0
-        broken = False
-        parent = -1
-        for hash_id, length in zip(request.hash_ids, lengths, strict=False):
-            key = (parent, hash_id)
-            before = seen.get(key, 0)
-            if not broken:
-                got = min(before, length)
-                matched += got
-                broken = got < length
-            if length > before:
-                seen[key] = length
-            parent = chain_ids.setdefault(key, len(chain_ids))
-        hits += matched
-        cap = min(matched, request.input_length - 1)
-        engine_hits += max(cap, 0) // engine_block * engine_block
-    return UpperBound(total, hits, engine_hits)
+    return pooled_lru(requests, capacity_tokens=sys.maxsize, engine_block=engine_block)
 
 
 def pooled_lru(
