@@ -88,7 +88,7 @@ class ReconcileMetrics:
             registry=self.registry,
         )
         self.serve_reachable = Gauge(
-            "extproc_reconcile_serve_reachable", "1 while the local serve's /debug/state can be read.",
+            "extproc_reconcile_serve_reachable", "1 while the local serve's /debug/worker-sets can be read.",
             registry=self.registry,
         )  # fmt: skip
         self.passes = Counter(

@@ -23,7 +23,7 @@ def add_reconcile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
         help="run the status reconciler sidecar (writes InferenceWorkerSet status; leader-elected)",
         description="Keeps the status of every InferenceWorkerSet true: endpoints, models and context "
         "windows, KV-event subscriptions, referencing HTTPRoutes, conditions. Runs beside `extproc serve` "
-        "and reads its /debug/state; one replica writes at a time (a coordination.k8s.io Lease).",
+        "and reads its /debug/worker-sets; one replica writes at a time (a coordination.k8s.io Lease).",
     )
     p.add_argument(
         "--kubeconfig", type=Path, default=None, help="kubeconfig (default: in-cluster, $KUBECONFIG)"
