@@ -245,7 +245,7 @@ def stream_logic_us(catalog: Path, body: bytes, repeats: int = 5) -> float | str
 
 
 def _stream_logic_us(catalog: Path, body: bytes, repeats: int) -> float:
-    from extproc.server.app import Server
+    from extproc.serve.app import Server
     from extproc.server.stream import RequestStream
     from extproc.settings import ServeSettings, SourceSettings
 

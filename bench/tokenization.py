@@ -37,16 +37,11 @@ import tokenizers
 from machine import machine
 
 from extproc.kvindex.keys import block_keys, namespace_seed
+from extproc.openai import CHAT_PATH, COMPLETIONS_PATH, ChatPrompt, read_request
+from extproc.settings import TokenizerSpec
 from extproc.tokenize.pipeline import render_chat
 from extproc.tokenize.prompts import chat_prompt_ids
-from extproc.tokenize.registry import (
-    CHAT_PATH,
-    COMPLETIONS_PATH,
-    SHIPPED_TOKENIZER,
-    ModelTokenizer,
-    TokenizerRegistry,
-    TokenizerSpec,
-)
+from extproc.tokenize.registry import SHIPPED_TOKENIZER, ModelTokenizer, TokenizerRegistry
 
 HERE = Path(__file__).resolve().parent
 MODEL = "bench-model"
@@ -126,7 +121,9 @@ def timed(fn: Callable[[], object]) -> float:
 
 def measure(tokenizer: ModelTokenizer, path: str, body: dict[str, Any], budget: float) -> dict[str, Any]:
     """p50 / p99 of ``prompt_ids`` (the router's call), and of its parts, over a time budget."""
-    ids = tokenizer.prompt_ids(path, body)
+    prompt = read_request(path, body).prompt
+    assert prompt is not None
+    ids = tokenizer.prompt_ids(prompt)
     assert ids is not None
     seed = namespace_seed(MODEL)
     token_tuple = tuple(ids)
@@ -134,7 +131,8 @@ def measure(tokenizer: ModelTokenizer, path: str, body: dict[str, Any], budget: 
         assert tokenizer.template is not None
         template = tokenizer.template
         text = render_chat(tokenizer.tokenizer, template, body["messages"])
-        assert ids == chat_prompt_ids(body, tokenizer.tokenizer, template)
+        assert isinstance(prompt, ChatPrompt)
+        assert ids == chat_prompt_ids(prompt, tokenizer.tokenizer, template)
 
         def render() -> object:
             return render_chat(tokenizer.tokenizer, template, body["messages"])
@@ -151,7 +149,7 @@ def measure(tokenizer: ModelTokenizer, path: str, body: dict[str, Any], budget: 
             return tokenizer.tokenizer.encode(text, add_special_tokens=True)
 
     def total() -> object:
-        return tokenizer.prompt_ids(path, body)
+        return tokenizer.prompt_ids(prompt)
 
     def keys() -> object:
         return block_keys(token_tuple, BLOCK, seed)

@@ -19,9 +19,9 @@ import uvloop
 
 from extproc import __version__
 from extproc.errors import ConfigError, ExtprocError
-from extproc.settings import POLICIES, PrefixSettings, ServeSettings, SourceSettings
+from extproc.scheduling.registry import DEFAULT_POLICY, POLICIES
+from extproc.settings import PrefixSettings, ServeSettings, SourceSettings, TokenizerSpec
 from extproc.telemetry import configure_logging
-from extproc.tokenize.registry import TokenizerSpec
 
 log = logging.getLogger("extproc")
 
@@ -73,10 +73,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--seed", type=int, default=None, help="seed tie-breaking randomness (for tests)")
     p.add_argument(
         "--policy",
-        choices=POLICIES,
-        default="predicted-ttft",
-        help="how endpoints are ranked: predicted-ttft (default; latency profiles, see --profiles), "
-        "cache-then-load (most cached prompt tokens, then fewest in flight), least-in-flight",
+        choices=list(POLICIES),
+        default=DEFAULT_POLICY,
+        help=f"how endpoints are ranked ({DEFAULT_POLICY}; see the README): {', '.join(POLICIES)}",
     )
     p.add_argument(
         "--profiles",
@@ -165,7 +164,7 @@ def _prefix_settings(args: argparse.Namespace) -> PrefixSettings:
 
 
 async def _run_serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    from extproc.server.app import serve
+    from extproc.serve.app import serve
 
     await serve(_serve_settings(args), stop=stop)
 

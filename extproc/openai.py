@@ -1,24 +1,37 @@
-"""OpenAI-style request bodies: what routing needs to know, and the model rewrite.
+"""OpenAI-style requests: read once into one typed :class:`InferenceRequest`, and the model rewrite.
 
-Parsing is pure and strict about the one field routing depends on (``model``) and tolerant of
-everything else, which is passed through untouched: engines validate their own parameters.
+This module is the only one that reads a request body. Everything downstream (scheduling, the
+tokenizers, the prefix indexes, the simulator) consumes the typed request or one of its prompt
+types, never the decoded dict.
+
+Parsing is strict about the one field routing depends on (``model``) and tolerant of everything
+else, which is passed through untouched: engines validate their own parameters. A prompt this
+module cannot read the way the engine would (``messages`` not a list of objects, ``tools`` not a
+list, ...) is not a routing error: the request keeps ``prompt`` None with the reason in
+``prompt_error`` and is routed approximately, so the engine answers the client itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from urllib.parse import unquote
 
 import orjson
 
 from extproc.errors import BadRequest
 
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+MODELS_PATH = "/v1/models"
+
 #: Paths whose bodies carry ``model``; anything else with a body is routed the same way when it
 #: does, and gets 400 when it does not (we never guess the model).
 INFERENCE_PATHS = frozenset(
     {
-        "/v1/chat/completions",
-        "/v1/completions",
+        CHAT_PATH,
+        COMPLETIONS_PATH,
         "/v1/embeddings",
         "/v1/responses",
         "/v1/score",
@@ -27,27 +40,121 @@ INFERENCE_PATHS = frozenset(
     }
 )
 
+#: What a request asks for, as far as prompts go: chat messages, a completion prompt, or neither.
+RequestKind = Literal["chat", "completion", "other"]
+
+
+def normalize_path(raw: str) -> str:
+    """``:path`` without its query string and trailing slashes: the form every check compares."""
+    return raw.split("?", 1)[0].rstrip("/")
+
+
+def model_in_path(path: str) -> str | None:
+    """The name in ``/v1/models/{name}`` (percent-decoded), else None."""
+    if not path.startswith(MODELS_PATH + "/"):
+        return None
+    return unquote(path.removeprefix(MODELS_PATH + "/"))
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A chat request's prompt fields, as vLLM's chat path reads them (types checked)."""
+
+    messages: tuple[Mapping[str, Any], ...]
+    tools: tuple[Mapping[str, Any], ...] | None = None
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    #: vLLM's chat default is False: the template already writes BOS.
+    add_special_tokens: bool = False
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> ChatPrompt:
+        """Read the fields; :class:`BadRequest` names the one vLLM would refuse too."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise BadRequest("'messages' must be a non-empty list of objects", param="messages")
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise BadRequest("'tools' must be a list of objects", param="tools")
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = {} if kwargs is None else kwargs
+        if not isinstance(kwargs, dict):
+            raise BadRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+        add_generation_prompt = flag(body, "add_generation_prompt", True)
+        continue_final = flag(body, "continue_final_message", False)
+        if add_generation_prompt and continue_final:
+            raise BadRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        return cls(
+            messages=tuple(messages),
+            tools=None if tools is None else tuple(tools),
+            chat_template_kwargs=kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final,
+            add_special_tokens=flag(body, "add_special_tokens", False),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionPrompt:
+    """A completions request's one prompt: text, or token ids (vocabulary not checked here)."""
+
+    prompt: str | tuple[int, ...]
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> CompletionPrompt:
+        """A prompt as vLLM accepts it: a string, a token-id list, or a batch of exactly one of those."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise BadRequest("'prompt' must not be empty", param="prompt")
+            return cls(prompt)
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return cls(tuple(prompt))
+        if isinstance(prompt, list) and len(prompt) > 1:
+            raise BadRequest("one prompt per request is supported, got a batch", param="prompt")
+        raise BadRequest("'prompt' must be a string or a list of token ids", param="prompt")
+
+
+Prompt = ChatPrompt | CompletionPrompt
+
 
 @dataclass(frozen=True, slots=True)
 class InferenceRequest:
-    """The parsed body of one request, as far as routing is concerned."""
+    """One request with a JSON body, as far as routing is concerned."""
 
+    #: ``:path`` as :func:`normalize_path` leaves it.
+    path: str
+    kind: RequestKind
     model: str
     stream: bool
     #: ``max_completion_tokens`` or ``max_tokens`` when given (a positive int), else None.
     max_tokens: int | None
-    #: The whole decoded JSON object; kept so the body can be rewritten without parsing twice.
-    payload: dict[str, Any]
+    #: The prompt, read the way the engine reads it; None for other kinds, or see ``prompt_error``.
+    prompt: Prompt | None
+    #: Why a chat or completions prompt could not be read (the engine will say so to the client).
+    prompt_error: str | None
+    #: The text approximate prefix affinity is computed from (see :func:`prefix_text`); None: none.
+    prefix_text: str | None
+    #: The decoded body, for :func:`rewrite_model` only (the one place that writes it back).
+    payload: dict[str, Any] = field(repr=False)
 
 
-def parse_request(body: bytes) -> InferenceRequest:
-    """Decode a JSON request body; raise :class:`BadRequest` naming what is wrong."""
+def parse_request(body: bytes, *, path: str) -> InferenceRequest:
+    """Decode a JSON body sent to ``path`` (normalized); raise :class:`BadRequest` naming what is wrong."""
     if not body:
         raise BadRequest("request body is empty; expected a JSON object with a 'model' field")
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    return read_request(path, payload)
+
+
+def read_request(path: str, payload: object) -> InferenceRequest:
+    """The typed request from a decoded body sent to the (normalized) ``path``."""
     if not isinstance(payload, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(payload).__name__}")
     model = payload.get("model")
@@ -55,16 +162,75 @@ def parse_request(body: bytes) -> InferenceRequest:
         raise BadRequest("request body has no 'model' field", param="model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' must be a non-empty string", param="model")
-    stream = payload.get("stream") is True
-    return InferenceRequest(model=model, stream=stream, max_tokens=_max_tokens(payload), payload=payload)
+    kind: RequestKind = "chat" if path == CHAT_PATH else "completion" if path == COMPLETIONS_PATH else "other"
+    prompt: Prompt | None = None
+    prompt_error: str | None = None
+    try:
+        if kind == "chat":
+            prompt = ChatPrompt.from_body(payload)
+        elif kind == "completion":
+            prompt = CompletionPrompt.from_body(payload)
+    except BadRequest as exc:
+        prompt_error = exc.message
+    return InferenceRequest(
+        path=path,
+        kind=kind,
+        model=model,
+        stream=payload.get("stream") is True,
+        max_tokens=_max_tokens(payload),
+        prompt=prompt,
+        prompt_error=prompt_error,
+        prefix_text=prefix_text(kind, payload),
+        payload=payload,
+    )
 
 
-def _max_tokens(payload: dict[str, Any]) -> int | None:
+def _max_tokens(payload: Mapping[str, Any]) -> int | None:
     for key in ("max_completion_tokens", "max_tokens"):
         value = payload.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+def prefix_text(kind: RequestKind, payload: Mapping[str, Any]) -> str | None:
+    """The text a prefix is made of: the completion prompt, or the chat messages in order.
+
+    Tolerant: whatever the client sent, this returns text or None and never raises; judging the
+    body is the engine's job. Any body with ``messages`` (not only chat) counts its messages.
+    """
+    if kind == "completion":
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list):
+            return " ".join(str(t) for t in prompt)
+        return None
+    messages = payload.get("messages")
+    if not isinstance(messages, list):
+        return None
+    parts: list[str] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            return None
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = (p.get("text") for p in content if isinstance(p, dict))
+            content = "".join(t for t in texts if isinstance(t, str))
+        parts.append(f"<{message.get('role')}>{content if isinstance(content, str) else ''}")
+    return "".join(parts)
+
+
+def flag(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    """A boolean request field; null means the default, anything else but a bool is a 400."""
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{key}' must be true or false, got {value!r}", param=key)
+    return value
 
 
 def rewrite_model(request: InferenceRequest, upstream_model: str) -> bytes:

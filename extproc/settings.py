@@ -7,11 +7,11 @@ below the CLI receives a validated :class:`ServeSettings` and never reads flags 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from extproc.errors import ConfigError
-from extproc.tokenize.registry import TokenizerSpec
 
 
 def parse_host_port(value: str, *, what: str) -> tuple[str, int]:
@@ -99,8 +99,27 @@ class SourceSettings:
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
-#: Names ``--policy`` accepts (see :mod:`extproc.scheduling.policy`).
-POLICIES = ("cache-then-load", "least-in-flight", "predicted-ttft")
+@dataclass(frozen=True, slots=True)
+class TokenizerSpec:
+    """One model's tokenizer source: a folder, a Hugging Face model id, or ``extproc:tiny``."""
+
+    model: str
+    tokenizer: str
+    #: A template file or a shipped name (``chatml``, ``llama3``); None = the tokenizer's own.
+    chat_template: str | None = None
+
+    @staticmethod
+    def parse_pairs(flag: str, values: Iterable[str]) -> dict[str, str]:
+        """``MODEL=VALUE`` flags -> {model: value}; model names may contain ``=``-free slashes."""
+        pairs: dict[str, str] = {}
+        for value in values:
+            model, sep, rest = value.rpartition("=")
+            if not sep or not model or not rest:
+                raise ConfigError(f"{flag}: expected MODEL=VALUE, got {value!r}")
+            if model in pairs:
+                raise ConfigError(f"{flag}: model {model!r} is given twice")
+            pairs[model] = rest
+        return pairs
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,11 +172,9 @@ class ServeSettings:
     #: Seconds to let in-flight streams finish on shutdown.
     drain_seconds: float = 5.0
     prefix: PrefixSettings = field(default_factory=PrefixSettings)
-    #: How endpoints are ranked: ``predicted-ttft`` (lowest predicted time to first token from the
-    #: worker set's latency profile, cached prefix, signals and load; sheds with 429; the default,
-    #: best in bench/results/replay.md), ``cache-then-load`` (most cached prompt tokens, then fewest
-    #: in flight) or ``least-in-flight``.
-    policy: str = "predicted-ttft"
+    #: How endpoints are ranked: a name in :mod:`extproc.scheduling.registry` (which validates it
+    #: when serve starts, and holds the default); None: the registry's default.
+    policy: str | None = None
     #: The latency profiles file (YAML, hot-reloaded); None = the built-in ``default`` profile only.
     profiles: Path | None = None
     #: Seconds between scrapes of every endpoint's Prometheus metrics; 0 turns scraping off.
@@ -180,8 +197,6 @@ class ServeSettings:
             raise ConfigError(f"--max-fallbacks must be 0 or more, got {self.max_fallbacks}")
         if self.drain_seconds < 0:
             raise ConfigError(f"--drain-seconds must be 0 or more, got {self.drain_seconds}")
-        if self.policy not in POLICIES:
-            raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.scrape_interval < 0:
             raise ConfigError(
                 f"--scrape-interval must be 0 (off) or more seconds, got {self.scrape_interval}"

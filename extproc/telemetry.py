@@ -9,15 +9,10 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-
-from extproc.catalog.model import Catalog
-from extproc.types import EndpointAddress
 
 #: Seconds; a decision is normally well under a millisecond, so the buckets start at 100 µs.
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
@@ -95,81 +90,6 @@ class Metrics:
             "Catalog source reloads, by result (ok, failed).",
             ["result"],
             registry=self.registry,
-        )
-
-    def watch_state(
-        self,
-        *,
-        catalog: Callable[[], Catalog],
-        inflight: Callable[[], Mapping[EndpointAddress, int]],
-    ) -> None:
-        """Expose catalog and in-flight gauges computed at scrape time."""
-        self.registry.register(_StateCollector(catalog, inflight))
-
-
-class UnknownProfileCollector(Collector):
-    """Worker sets naming a latency profile the profiles file does not define (routed with the default)."""
-
-    def __init__(self, catalog: Callable[[], Catalog], is_known: Callable[[str], bool]) -> None:
-        self._catalog = catalog
-        self._is_known = is_known
-
-    def collect(self) -> Iterable[Metric]:
-        family = GaugeMetricFamily(
-            "extproc_worker_set_unknown_profile",
-            "1 for each worker set whose spec.profile is not in the profiles file (the default is used).",
-            labels=["worker_set", "profile"],
-        )
-        for key, ws in sorted(self._catalog().worker_sets.items()):
-            if not self._is_known(ws.profile):
-                family.add_metric([key, ws.profile], 1)
-        yield family
-
-
-class _StateCollector(Collector):
-    def __init__(
-        self, catalog: Callable[[], Catalog], inflight: Callable[[], Mapping[EndpointAddress, int]]
-    ) -> None:
-        self._catalog = catalog
-        self._inflight = inflight
-
-    def collect(self) -> Iterable[Metric]:
-        inflight = GaugeMetricFamily(
-            "extproc_inflight_requests",
-            "Requests routed to an endpoint and not finished.",
-            labels=["endpoint"],
-        )
-        for address, count in sorted(self._inflight().items()):
-            inflight.add_metric([address], count)
-        yield inflight
-        catalog = self._catalog()
-        ready = GaugeMetricFamily(
-            "extproc_worker_set_ready_endpoints", "Ready endpoints per worker set.", labels=["worker_set"]
-        )
-        terminating = GaugeMetricFamily(
-            "extproc_worker_set_terminating_endpoints",
-            "Terminating endpoints per worker set.",
-            labels=["worker_set"],
-        )
-        for key, worker_set in sorted(catalog.worker_sets.items()):
-            ready.add_metric([key], len(worker_set.endpoints))
-            terminating.add_metric([key], worker_set.terminating)
-        yield ready
-        yield terminating
-        yield GaugeMetricFamily(
-            "extproc_catalog_models",
-            "Client-facing model names (upstream names and aliases).",
-            value=len(catalog.routes),
-        )
-        yield GaugeMetricFamily(
-            "extproc_catalog_name_conflicts",
-            "Model names claimed by worker sets for different models.",
-            value=len(catalog.conflicts),
-        )
-        yield GaugeMetricFamily(
-            "extproc_catalog_rejected_objects",
-            "Source objects rejected or held at a previous version.",
-            value=len(catalog.problems),
         )
 
 

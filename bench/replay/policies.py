@@ -18,7 +18,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from extproc.scheduling.policy import Candidate, RequestFacts
+from extproc.scheduling.policy import Candidate, Ranking, RequestFacts
 from extproc.types import EndpointAddress
 
 
@@ -30,12 +30,10 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = itertools.count()
 
-    def rank(
-        self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random
-    ) -> list[Candidate]:
+    def rank(self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random) -> Ranking:
         ordered = sorted(candidates, key=lambda c: c.endpoint.address)
         start = next(self._next) % len(ordered) if ordered else 0
-        return ordered[start:] + ordered[:start]
+        return Ranking(ordered[start:] + ordered[:start])
 
 
 class GieLike:
@@ -58,9 +56,7 @@ class GieLike:
     def __init__(self, prefix_weight: float = 3.0, queue_weight: float = 2.0, kv_weight: float = 1.0) -> None:
         self.weights = (prefix_weight, queue_weight, kv_weight)
 
-    def rank(
-        self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random
-    ) -> list[Candidate]:
+    def rank(self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random) -> Ranking:
         w_prefix, w_queue, w_kv = self.weights
         prompt = max(request.prompt_tokens or 0, 1)
         queues = [_queue(c) for c in candidates]
@@ -74,7 +70,7 @@ class GieLike:
             score = w_prefix * prefix + w_queue * (1.0 - queue_norm) + w_kv * (1.0 - (kv or 0.0))
             scored.append((-score, rng.random(), candidate))
         scored.sort(key=lambda t: (t[0], t[1]))
-        return [c for _, _, c in scored]
+        return Ranking([c for _, _, c in scored])
 
 
 def _queue(candidate: Candidate) -> float:
@@ -153,9 +149,7 @@ class DynamoCost:
         self.active = active
         self.prefill_load_scale = prefill_load_scale
 
-    def rank(
-        self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random
-    ) -> list[Candidate]:
+    def rank(self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random) -> Ranking:
         active = self.active
         new_blocks = active.blocks(request.prompt_tokens or 0)
         scored = []
@@ -166,4 +160,4 @@ class DynamoCost:
             cost = self.prefill_load_scale * prefill + active.total_blocks(address)
             scored.append((cost, rng.random(), c))
         scored.sort(key=lambda t: (t[0], t[1]))
-        return [c for _, _, c in scored]
+        return Ranking([c for _, _, c in scored])

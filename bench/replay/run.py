@@ -45,15 +45,17 @@ from extproc.catalog.resources import EndpointSlice, InferenceWorkerSet, Service
 from extproc.catalog.store import CatalogStore
 from extproc.demo.catalog import LocalWorkerSet, catalog_documents, kv_ports_of
 from extproc.engines.scraper import EngineScraper
+from extproc.openai import read_request
+from extproc.scheduling.cache_then_load import CacheThenLoad
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.policy import CacheThenLoad, LeastInFlight, Policy
-from extproc.scheduling.prefix import PromptInput
+from extproc.scheduling.least_in_flight import LeastInFlight
+from extproc.scheduling.policy import Policy
 from extproc.scheduling.scheduler import Scheduler
-from extproc.server.prefix_routing import PrefixRouting
-from extproc.settings import PrefixSettings
+from extproc.serve.prefix_routing import PrefixRouting
+from extproc.settings import PrefixSettings, TokenizerSpec
 from extproc.sim.engine_core import EngineParams
 from extproc.tokenize import shipped_tokenizer
-from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerSpec
+from extproc.tokenize.registry import SHIPPED_TOKENIZER
 
 log = logging.getLogger("bench.replay")
 
@@ -366,7 +368,7 @@ async def _one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    decision = scheduler.schedule(MODEL, prompt=PromptInput(PATH, body), max_tokens=max_tokens)
+    decision = scheduler.schedule(read_request(PATH, body))
     address = decision.endpoints[0].address
     record.endpoint = address
     record.router_cached = decision.prefix.cached_tokens.get(address, 0)

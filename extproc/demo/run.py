@@ -2,7 +2,7 @@
 
 The point is to show a newcomer the router working with one command, using the same pieces a real
 deployment runs: the shipped ``envoy/gateway.yaml`` (only ports, endpoints and body mode rewritten),
-``serve``'s :class:`~extproc.server.app.Server` reading a file catalog made of the same objects a
+``serve``'s :class:`~extproc.serve.app.Server` reading a file catalog made of the same objects a
 cluster holds, and :mod:`extproc.sim` engines that behave like vLLM: they answer to the upstream
 model names only (an alias that was not rewritten gets vLLM's 404), tokenize with the model's chat
 template, keep a prefix cache, take model time to answer, and publish KV-cache events over ZMQ.
@@ -46,14 +46,14 @@ from extproc.demo.view import (
 from extproc.errors import ConfigError, ExtprocError
 from extproc.gateway.config import BodyMode, load_config, render_config, shipped_config
 from extproc.gateway.process import EnvoyError, EnvoyProcess, envoy_binary
-from extproc.server.app import Server
-from extproc.settings import PrefixSettings, ServeSettings, SourceSettings
+from extproc.serve.app import Server
+from extproc.settings import PrefixSettings, ServeSettings, SourceSettings, TokenizerSpec
 from extproc.sim.engine_core import EngineParams
 from extproc.sim.fleet import SimFleet
 from extproc.sim.server import SimServer
 from extproc.sim.settings import KVEventSettings, SimSettings
 from extproc.telemetry import Metrics
-from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerSpec
+from extproc.tokenize.registry import SHIPPED_TOKENIZER
 from extproc.types import EndpointAddress
 
 HOST = "127.0.0.1"

@@ -26,9 +26,8 @@ import aiohttp
 
 from extproc.catalog.discovered import DiscoveredModel, EndpointModels
 from extproc.catalog.model import Catalog
-from extproc.engines.http import fetch_bounded
-from extproc.engines.waiting import sleep_or_wake
-from extproc.tasks import cancel_and_wait
+from extproc.fetch import fetch_bounded
+from extproc.tasks import cancel_and_wait, sleep_or_wake
 from extproc.telemetry import LogLimiter
 from extproc.types import EndpointAddress, ModelName
 

@@ -27,10 +27,10 @@ import aiohttp
 
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
-from extproc.engines.waiting import sleep_or_wake
 from extproc.errors import BadRequest
-from extproc.tasks import cancel_and_wait
-from extproc.tokenize.registry import CHAT_PATH, COMPLETIONS_PATH, TokenizerRegistry
+from extproc.openai import ChatPrompt, CompletionPrompt
+from extproc.tasks import cancel_and_wait, sleep_or_wake
+from extproc.tokenize.registry import TokenizerRegistry
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +135,10 @@ class ParityChecker:
         assert tokenizer is not None
         details: list[str] = []
         verdict: Verdict = "match"
-        for path, probe in ((CHAT_PATH, PROBE_CHAT), (COMPLETIONS_PATH, PROBE_COMPLETION)):
+        for kind, probe in (("chat", PROBE_CHAT), ("completion", PROBE_COMPLETION)):
+            prompt = ChatPrompt.from_body(probe) if kind == "chat" else CompletionPrompt.from_body(probe)
             try:
-                ours = tokenizer.prompt_ids(path, probe)
+                ours = tokenizer.prompt_ids(prompt)
             except BadRequest as exc:
                 return self._result(
                     "mismatch", address, f"our template cannot render the probe: {exc.message}"
@@ -148,7 +149,7 @@ class ParityChecker:
             if isinstance(theirs, str):
                 return self._result("unknown", address, theirs)
             kind, detail = compare(ours, theirs)
-            details.append(f"{'chat' if path == CHAT_PATH else 'completion'}: {detail}")
+            details.append(f"{kind}: {detail}")
             if kind == "mismatch":
                 verdict = "mismatch"
         result = self._result(verdict, address, "; ".join(details))

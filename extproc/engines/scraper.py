@@ -20,8 +20,9 @@ import aiohttp
 
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
-from extproc.engines.http import fetch_bounded
-from extproc.engines.signals import EngineSignals, MetricsParseError, parse_signals
+from extproc.engines.signals import MetricsParseError, parse_signals
+from extproc.fetch import fetch_bounded
+from extproc.scheduling.signals import EngineSignals
 from extproc.tasks import cancel_and_wait
 from extproc.telemetry import LogLimiter
 from extproc.types import EndpointAddress

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.scheduling.signals import EngineSignals
+
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
@@ -45,58 +47,6 @@ _WANTED.update({name: name for name in _COUNTERS})
 
 class MetricsParseError(ValueError):
     """The page holds none of the engine series we schedule on (not vLLM, or not a metrics page)."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSignals:
-    """One endpoint's load at scrape time, summed over its data-parallel ranks.
-
-    A field is None when the page does not expose that series (e.g. an engine too old or too new),
-    so callers can tell "zero" from "unknown".
-    """
-
-    #: Requests in the model-execution batch, all ranks.
-    running: int | None
-    #: Requests queued for scheduling, all ranks.
-    waiting: int | None
-    #: Fraction of KV-cache blocks in use, 0-1, on the fullest rank.
-    kv_cache_usage: float | None
-    #: Cumulative prompt tokens looked up in the prefix cache (a counter: compare two scrapes).
-    prefix_cache_queries: float | None
-    #: Cumulative prompt tokens found in the prefix cache (a counter).
-    prefix_cache_hits: float | None
-    #: Distinct ``engine`` label values (DP ranks), sorted; its length is the visible DP size.
-    engines: tuple[str, ...] = ()
-    #: Distinct ``model_name`` label values (served model names).
-    model_names: tuple[str, ...] = ()
-    #: Metric names read from the pre-0.12 spelling because the new one was missing.
-    old_names: tuple[str, ...] = ()
-    #: Lines of our series that could not be read, or held NaN/Inf; they were left out.
-    bad_lines: int = 0
-    #: The first such problem, for people reading state.
-    first_problem: str | None = None
-
-    @property
-    def data_parallel_size(self) -> int:
-        """DP ranks seen on the page (1 when the engine label is absent)."""
-        return max(1, len(self.engines))
-
-    def to_debug(self) -> dict[str, object]:
-        entry: dict[str, object] = {
-            "running": self.running,
-            "waiting": self.waiting,
-            "kvCacheUsage": self.kv_cache_usage,
-            "prefixCacheQueries": self.prefix_cache_queries,
-            "prefixCacheHits": self.prefix_cache_hits,
-            "engines": list(self.engines),
-            "modelNames": list(self.model_names),
-        }
-        if self.old_names:
-            entry["oldNames"] = list(self.old_names)
-        if self.bad_lines:
-            entry["badLines"] = self.bad_lines
-            entry["firstProblem"] = self.first_problem
-        return entry
 
 
 @dataclass(slots=True)

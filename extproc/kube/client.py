@@ -6,7 +6,7 @@ for exactly that. Requests go through :func:`get_stream`, which returns the unde
 objects stay plain dicts exactly as ``kubectl get -o json`` shows them (camelCase, every field the
 server sent) instead of the client's generated models, and a watch can be read line by line.
 
-This module and :mod:`extproc.kube.reflector` are the only ones that import ``kubernetes``.
+The ``kube`` package is the only one that imports ``kubernetes`` (a test walks the imports).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 import urllib3
 from kubernetes import client as k8s_client
@@ -25,6 +25,9 @@ from kubernetes import config as k8s_config
 from extproc.errors import ConfigError, KubeApiError
 
 #: An error answer is read up to this many bytes for its message; the rest is dropped.
+#: An authenticated connection to the API server, for the reflectors and requests of this package.
+ApiClient: TypeAlias = k8s_client.ApiClient
+
 MAX_ERROR_BODY = 64 * 1024
 
 

@@ -12,8 +12,7 @@ why the entries are bounded (LRU) and precise mode always wins when available.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 from extproc.types import EndpointAddress
 
@@ -21,36 +20,6 @@ from extproc.types import EndpointAddress
 CHARS_PER_BLOCK = 64
 CHARS_PER_TOKEN = 4
 _MASK = (1 << 60) - 1
-
-
-def prompt_text(path: str, payload: Mapping[str, Any]) -> str | None:
-    """The text a prefix is made of: the completion prompt, or the chat messages in order.
-
-    Tolerant: whatever the client sent, this returns text or None and never raises; judging the
-    body is the engine's job.
-    """
-    if path == "/v1/completions":
-        prompt = payload.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return prompt
-        if isinstance(prompt, list):
-            return " ".join(str(t) for t in prompt)
-        return None
-    messages = payload.get("messages")
-    if not isinstance(messages, list):
-        return None
-    parts: list[str] = []
-    for message in messages:
-        if not isinstance(message, dict):
-            return None
-        content = message.get("content")
-        if isinstance(content, list):
-            texts = (p.get("text") for p in content if isinstance(p, dict))
-            content = "".join(t for t in texts if isinstance(t, str))
-        parts.append(f"<{message.get('role')}>{content if isinstance(content, str) else ''}")
-    return "".join(parts)
 
 
 def text_keys(text: str, *, namespace: str, max_blocks: int) -> list[int]:

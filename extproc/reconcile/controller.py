@@ -27,7 +27,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from extproc.engines.waiting import sleep_or_wake
+from extproc.admin import admin_app, start_admin
 from extproc.errors import KubeApiError
 from extproc.kube.reflector import Reflector
 from extproc.kube.resources import ENDPOINT_SLICES, HTTP_ROUTES, SERVICES, WORKER_SETS, ResourceType
@@ -38,8 +38,8 @@ from extproc.reconcile.lease import LeaderElector
 from extproc.reconcile.references import references_by_set
 from extproc.reconcile.serve_state import ServeWatcher
 from extproc.reconcile.status import RouterSide, compute_status, status_differs, status_patch
-from extproc.server.admin import admin_app, start_admin
 from extproc.settings import ReconcileSettings, parse_host_port
+from extproc.tasks import sleep_or_wake
 from extproc.telemetry import LogLimiter
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """What the ``serve`` container beside us knows: its ``/debug/worker-sets`` (the ``workerSetStatus``
 section of ``/debug/state``, alone and compact, so a poll does not build and parse the whole state).
 
-:func:`parse_router_view` turns that JSON (built by :mod:`extproc.server.observed`) into typed
+:func:`parse_router_view` turns that JSON (built by :mod:`extproc.serve.observed`) into typed
 records, tolerantly: a field of the wrong shape is dropped rather than failing the whole set, since
 a newer or older ``serve`` may say a little more or less. :class:`ServeWatcher` polls it every
 ``interval`` seconds; :attr:`ServeWatcher.view` is None while ``serve`` cannot be read (after
@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from extproc.engines.http import fetch_bounded
+from extproc.fetch import fetch_bounded
 from extproc.tasks import cancel_and_wait
 from extproc.telemetry import LogLimiter
 
@@ -167,7 +167,7 @@ class ServeWatcher:
         return self.view is not None
 
     def start(self) -> None:
-        # aiohttp's own timeout, not asyncio.timeout: see extproc.engines.waiting on 3.11 cancellation.
+        # aiohttp's own timeout, not asyncio.timeout: see extproc.tasks on 3.11 cancellation.
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout))
         self._task = asyncio.create_task(self._run(), name="serve-state")
 

@@ -1,21 +1,22 @@
-"""The scheduling seam: what a policy sees about a request and each candidate, and how it ranks them.
+"""The scheduling seam: what a policy sees about a request and each candidate, and what it returns.
 
 Producers (prefix lookup, engine signals, in-flight accounting) fill one :class:`Candidate` per
 eligible endpoint and one :class:`RequestFacts` per request; a :class:`Policy` is a pure function
-of those (plus seeded randomness for ties) returning the candidates best first. The scheduler takes
-the first as the pick and the next ones as Envoy's fallbacks. Benchmarks run several policies over
-the same producers, side by side.
+of those (plus seeded randomness for ties) returning a :class:`Ranking`: the candidates best first,
+and whether the request should be shed. The scheduler takes the first as the pick and the next
+ones as Envoy's fallbacks. Policies are named in :mod:`extproc.scheduling.registry`; benchmarks
+run several over the same producers, side by side.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from extproc.catalog.model import Endpoint
-from extproc.engines.signals import EngineSignals
+from extproc.scheduling.signals import EngineSignals
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,35 +50,27 @@ class Candidate:
     lower_tier_tokens: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    """A policy's answer: every candidate, best first, and what the scheduler should know of the pick."""
+
+    candidates: list[Candidate]
+    #: Every candidate is saturated: the scheduler answers 429 instead of routing.
+    shed: bool = False
+    #: The policy's account of the pick, as response-header name -> value (``--decision-headers``).
+    notes: Mapping[str, str] = field(default_factory=dict)
+    #: The pick's predicted prefill: (uncached prompt tokens, seconds until its first token); (0, 0)
+    #: when the policy does not predict. The in-flight lease carries it, so the next predictions
+    #: charge that endpoint for the work until it should be done.
+    prefill: tuple[int, float] = (0, 0.0)
+
+
 class Policy(Protocol):
-    """Ranks candidates, best first. Pure: no I/O, no clocks; ``rng`` only for ties."""
+    """Ranks candidates. Pure: no I/O, no clocks; ``rng`` only for ties."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
-    def rank(
-        self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random
-    ) -> list[Candidate]:
+    def rank(self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random) -> Ranking:
         """All candidates, best first (the scheduler cuts the list to pick + fallbacks)."""
         ...
-
-
-class CacheThenLoad:
-    """Most cached prompt tokens, then fewest in flight, ties at random (affinity never yields)."""
-
-    name = "cache-then-load"
-
-    def rank(
-        self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random
-    ) -> list[Candidate]:
-        return sorted(candidates, key=lambda c: (-c.cached_tokens, c.in_flight, rng.random()))
-
-
-class LeastInFlight:
-    """Fewest of our in-flight requests, ties at random (ignores caches)."""
-
-    name = "least-in-flight"
-
-    def rank(
-        self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random
-    ) -> list[Candidate]:
-        return sorted(candidates, key=lambda c: (c.in_flight, rng.random()))

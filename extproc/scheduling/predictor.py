@@ -58,11 +58,11 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from extproc.catalog.model import Endpoint
-from extproc.scheduling.policy import Candidate, RequestFacts
+from extproc.scheduling.policy import Candidate, Ranking, RequestFacts
 from extproc.scheduling.profiles import Profile
 
 #: Predictions within this fraction of the best remaining one are ties.
@@ -142,50 +142,39 @@ def predict(request: RequestFacts, candidate: Candidate, profile: Profile) -> Pr
     return Prediction(residual + wait + prefill, uncached, load, saturated)
 
 
-def all_saturated(predictions: Iterable[Prediction]) -> bool:
-    """True when there is at least one prediction and every one is saturated: shed the request."""
-    seen = False
-    for prediction in predictions:
-        if not prediction.saturated:
-            return False
-        seen = True
-    return seen
-
-
-@dataclass(frozen=True, slots=True)
-class Ranking:
-    """Candidates best first, with their predictions (same order) and the shed decision."""
-
-    candidates: list[Candidate]
-    predictions: list[Prediction]
-    #: Every candidate is saturated: the scheduler should answer 429 rather than route.
-    shed: bool
-
-
 class PredictedTTFT:
-    """Lowest predicted time to first token first; near-ties at random; saturated endpoints last."""
+    """Lowest predicted time to first token first; near-ties at random; saturated endpoints last.
+
+    Sheds (429) when every candidate is saturated. Notes the pick's prediction as
+    ``x-extproc-predicted-ttft-ms`` and hands the scheduler the pick's predicted prefill.
+    """
 
     name = "predicted-ttft"
 
     def __init__(self, profile_of: Callable[[Endpoint], Profile]) -> None:
         self.profile_of = profile_of
 
-    def rank(
-        self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random
-    ) -> list[Candidate]:
-        return self.evaluate(request, candidates, rng).candidates
+    def rank(self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random) -> Ranking:
+        ordered = self.ordered(request, candidates, rng)
+        if not ordered:
+            return Ranking([])
+        best = ordered[0][0]
+        return Ranking(
+            candidates=[c for _, c in ordered],
+            # Saturated candidates rank last, so a saturated best means all of them are.
+            shed=best.saturated,
+            notes={"x-extproc-predicted-ttft-ms": f"{best.ttft_s * 1000:.1f}"},
+            prefill=(best.uncached_tokens, best.ttft_s),
+        )
 
-    def evaluate(self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random) -> Ranking:
-        """Predict every candidate and rank them; the scheduler may use ``shed`` and the predictions."""
+    def ordered(
+        self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random
+    ) -> list[tuple[Prediction, Candidate]]:
+        """Every candidate with its prediction, best first: open ones by TTFT, then saturated ones."""
         scored = [(predict(request, c, self.profile_of(c.endpoint)), c) for c in candidates]
         open_ = sorted((s for s in scored if not s[0].saturated), key=lambda s: s[0].ttft_s)
         full = sorted((s for s in scored if s[0].saturated), key=lambda s: s[0].ttft_s)
-        ordered = _shuffle_ties(open_, rng) + _shuffle_ties(full, rng)
-        return Ranking(
-            candidates=[c for _, c in ordered],
-            predictions=[p for p, _ in ordered],
-            shed=bool(scored) and not open_,
-        )
+        return _shuffle_ties(open_, rng) + _shuffle_ties(full, rng)
 
 
 def _shuffle_ties(

@@ -8,7 +8,7 @@ Producer, run once per request before picking (STYLE: producers, then pure score
   and matched against the index: cached tokens = leading blocks held x block size.
 - **approximate**: otherwise, the prompt text's chunks are matched against where we sent earlier
   requests (:mod:`extproc.kvindex.approx`), and this request is recorded once routed.
-- **none**: no prompt to match (other paths, unreadable bodies).
+- **none**: no prompt to match (bodies without a prompt or messages).
 
 A tokenizer that cannot tokenize a body (a template error the engine may not share) is counted
 and the request falls back to approximate: routing never refuses what the engine might accept.
@@ -17,30 +17,23 @@ and the request falls back to approximate: routing never refuses what the engine
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from extproc.catalog.model import Catalog, Endpoint, Route
 from extproc.errors import BadRequest
-from extproc.kvindex.approx import CHARS_PER_TOKEN, ApproxPrefixIndex, prompt_text
+from extproc.kvindex.approx import CHARS_PER_TOKEN, ApproxPrefixIndex
 from extproc.kvindex.events import Source
 from extproc.kvindex.index import PrefixIndex
 from extproc.kvindex.keys import block_keys, namespace_seed
+from extproc.openai import InferenceRequest
 from extproc.tokenize.registry import TokenizerRegistry
 from extproc.types import EndpointAddress
 
 log = logging.getLogger(__name__)
 
 PrefixMode = Literal["precise", "approximate", "none"]
-
-
-@dataclass(frozen=True, slots=True)
-class PromptInput:
-    """What the prefix lookup needs from a request: its path and decoded body."""
-
-    path: str
-    payload: Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +81,7 @@ class PrefixScorer:
         self.counters = PrefixCounters()
 
     def match(
-        self, catalog: Catalog, route: Route, prompt: PromptInput, candidates: Sequence[Endpoint]
+        self, catalog: Catalog, route: Route, request: InferenceRequest, candidates: Sequence[Endpoint]
     ) -> PrefixMatch:
         """Cached tokens for every candidate (absent = 0)."""
         precise = [e for e in candidates if e.kv_events_port is not None]
@@ -97,7 +90,7 @@ class PrefixScorer:
         cached: dict[EndpointAddress, int] = {}
         ranks: dict[EndpointAddress, int] = {}
         lower: dict[EndpointAddress, int] = {}
-        tokens = self._tokens(route.upstream_model, prompt) if precise else None
+        tokens = self._tokens(route.upstream_model, request) if precise else None
         if tokens is not None:
             mode = "precise"
             self._match_precise(catalog, route.upstream_model, tokens, precise, cached, ranks, lower)
@@ -106,7 +99,7 @@ class PrefixScorer:
         keys: list[int] = []
         prompt_tokens = None if tokens is None else len(tokens)
         if rest:
-            text = prompt_text(prompt.path, prompt.payload)
+            text = request.prefix_text
             if text is not None:
                 if prompt_tokens is None:
                     prompt_tokens = len(text) // CHARS_PER_TOKEN
@@ -121,16 +114,23 @@ class PrefixScorer:
         if match.approx_keys:
             self.approx.record(match.approx_keys, endpoint)
 
-    def _tokens(self, model: str, prompt: PromptInput) -> list[int] | None:
+    def _tokens(self, model: str, request: InferenceRequest) -> list[int] | None:
         tokenizer = self.tokenizers.get(model)
         if tokenizer is None or model in self.blocked():
             return None
-        try:
-            return tokenizer.prompt_ids(prompt.path, prompt.payload)
-        except BadRequest as exc:
-            self.counters.tokenize_errors += 1
-            log.debug("prompt not tokenized model=%s error=%s", model, exc.message)
+        if request.prompt is None:
+            if request.prompt_error is not None:
+                self._tokenize_error(model, request.prompt_error)
             return None
+        try:
+            return tokenizer.prompt_ids(request.prompt)
+        except BadRequest as exc:
+            self._tokenize_error(model, exc.message)
+            return None
+
+    def _tokenize_error(self, model: str, message: str) -> None:
+        self.counters.tokenize_errors += 1
+        log.debug("prompt not tokenized model=%s error=%s", model, message)
 
     def _match_precise(
         self,

@@ -1,4 +1,14 @@
-"""From a model name to an ordered list of endpoints: resolve, filter, pick.
+"""From a request to an ordered list of endpoints: resolve, match prefixes, filter, rank.
+
+The pipeline, once per request:
+
+1. **resolve**: the catalog's route for the model (its ready endpoints serving it), or every
+   endpoint for a request without a model;
+2. **filter** what needs only the request (:mod:`extproc.scheduling.filters`: the subset hint);
+3. **produce** the prefix match (:mod:`extproc.scheduling.prefix`), then **filter** what needs it
+   (context window), then one :class:`~extproc.scheduling.policy.Candidate` per endpoint with load
+   and engine signals;
+4. **rank** with the policy (:mod:`extproc.scheduling.registry`), cut to the pick + fallbacks.
 
 The scheduler reads the current catalog snapshot and the in-flight counts synchronously; nothing
 awaits in the middle of a decision, so a decision always sees one consistent catalog.
@@ -11,14 +21,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from extproc.catalog.model import Catalog, Endpoint, Route
-from extproc.engines.signals import EngineSignals
-from extproc.errors import BadRequest, ModelNotFound, NoReadyEndpoint, Overloaded
+from extproc.errors import ModelNotFound, NoReadyEndpoint, Overloaded
+from extproc.openai import InferenceRequest
+from extproc.scheduling.cache_then_load import CacheThenLoad
+from extproc.scheduling.filters import AFTER_MATCH, BEFORE_MATCH, FilterContext, wanted
 from extproc.scheduling.inflight import InFlight, Lease
-from extproc.scheduling.picker import filter_subset, pick_endpoints
-from extproc.scheduling.policy import CacheThenLoad, Candidate, Policy, RequestFacts
-from extproc.scheduling.predictor import PredictedTTFT
-from extproc.scheduling.prefix import NO_MATCH, PrefixMatch, PrefixScorer, PromptInput
+from extproc.scheduling.least_in_flight import LeastInFlight
+from extproc.scheduling.policy import Candidate, Policy, RequestFacts
+from extproc.scheduling.prefix import NO_MATCH, PrefixMatch, PrefixScorer
+from extproc.scheduling.signals import EngineSignals
 from extproc.types import EndpointAddress
+
+#: Requests without a model have no prompt to match and no model to predict for: spread by load.
+_MODELLESS = LeastInFlight()
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,64 +80,47 @@ class Scheduler:
         self.policy: Policy = policy or CacheThenLoad()
         self._signals = signals or (lambda _address: None)
 
-    def schedule(
-        self,
-        model: str | None,
-        subset: frozenset[str] | None = None,
-        *,
-        prompt: PromptInput | None = None,
-        max_tokens: int | None = None,
-    ) -> Decision:
-        """Decide for a request for ``model`` (None: any endpoint of any worker set).
+    def schedule(self, request: InferenceRequest | None, subset: frozenset[str] | None = None) -> Decision:
+        """Decide for ``request`` (None: a request without a body, for any endpoint of any worker set).
 
-        With ``prompt`` (the request's path and body) and a prefix scorer, each candidate's cached
+        ``subset`` is the gateway's subset hint. With a prefix scorer, each candidate's cached
         prefix is looked up; the policy ranks the candidates from that, load and engine signals.
         """
         catalog = self._catalog()
         route: Route | None = None
-        if model is None:
-            candidates: Sequence[Endpoint] = _all_endpoints(catalog)
-            wanted = "this request"
+        if request is None:
+            endpoints: Sequence[Endpoint] = _all_endpoints(catalog)
         else:
-            route = catalog.resolve(model)
+            route = catalog.resolve(request.model)
             if route is None:
-                raise ModelNotFound(f"The model '{model}' does not exist.", param="model")
-            candidates = route.endpoints
-            wanted = f"model '{model}'"
-        if not candidates:
-            raise NoReadyEndpoint(f"no ready endpoint serves {wanted}")
-        if subset is not None:
-            candidates = filter_subset(candidates, subset)
-            if not candidates:
-                raise NoReadyEndpoint(f"no endpoint in the gateway's subset hint serves {wanted}")
+                raise ModelNotFound(f"The model '{request.model}' does not exist.", param="model")
+            endpoints = route.endpoints
+        if not endpoints:
+            raise NoReadyEndpoint(f"no ready endpoint serves {wanted(route)}")
+        max_tokens = None if request is None else request.max_tokens
+        context = FilterContext(catalog, route, subset, max_tokens)
+        for keep in BEFORE_MATCH:
+            endpoints = keep(context, endpoints)
+        if route is not None and request is not None and self._prefix is not None:
+            match = self._prefix.match(catalog, route, request, endpoints)
+            context = FilterContext(catalog, route, subset, max_tokens, match)
+        for keep in AFTER_MATCH:
+            endpoints = keep(context, endpoints)
         if route is None:
-            picked = pick_endpoints(candidates, self._inflight.count, self._rng, count=self._count)
-            return Decision(route=None, endpoints=tuple(picked))
-        match = NO_MATCH
-        if prompt is not None and self._prefix is not None:
-            match = self._prefix.match(catalog, route, prompt, candidates)
-        if match.mode == "precise" and match.prompt_tokens is not None:
-            candidates = _fitting(catalog, route, candidates, match.prompt_tokens, max_tokens)
-        facts = RequestFacts(route.upstream_model, match.prompt_tokens, max_tokens)
-        notes: dict[str, str] = {}
-        prefill = (0, 0.0)
-        if isinstance(self.policy, PredictedTTFT):
-            ranking = self.policy.evaluate(facts, self._candidates(candidates, match), self._rng)
+            facts = RequestFacts("", None, None)
+            ranking = _MODELLESS.rank(facts, self._candidates(endpoints, NO_MATCH), self._rng)
+        else:
+            facts = RequestFacts(route.upstream_model, context.prefix.prompt_tokens, context.max_tokens)
+            ranking = self.policy.rank(facts, self._candidates(endpoints, context.prefix), self._rng)
             if ranking.shed:
                 raise Overloaded(
-                    f"every endpoint serving model '{model}' is saturated (running batch and queue limit "
-                    "full); retry shortly"
+                    f"every endpoint serving model '{route.client_name}' is saturated (running batch and "
+                    "queue limit full); retry shortly"
                 )
-            ranked = ranking.candidates
-            best = ranking.predictions[0]
-            notes["x-extproc-predicted-ttft-ms"] = f"{best.ttft_s * 1000:.1f}"
-            prefill = (best.uncached_tokens, best.ttft_s)
-        else:
-            ranked = self.policy.rank(facts, self._candidates(candidates, match), self._rng)
-        picked = [c.endpoint for c in ranked[: self._count]]
-        if self._prefix is not None and match is not NO_MATCH:
-            self._prefix.record(match, picked[0].address)
-        return Decision(route=route, endpoints=tuple(picked), prefix=match, notes=notes, prefill=prefill)
+        picked = tuple(c.endpoint for c in ranking.candidates[: self._count])
+        if self._prefix is not None and context.prefix is not NO_MATCH:
+            self._prefix.record(context.prefix, picked[0].address)
+        return Decision(route, picked, context.prefix, ranking.notes, ranking.prefill)
 
     def _candidates(self, endpoints: Sequence[Endpoint], match: PrefixMatch) -> list[Candidate]:
         inflight, cached = self._inflight, match.cached_tokens
@@ -155,28 +153,6 @@ class Scheduler:
     def models(self) -> list[tuple[str, str]]:
         """Every client-facing model name with the upstream name it resolves to, sorted."""
         return [(name, route.upstream_model) for name, route in sorted(self._catalog().routes.items())]
-
-
-def _fitting(
-    catalog: Catalog, route: Route, candidates: Sequence[Endpoint], prompt: int, max_tokens: int | None
-) -> Sequence[Endpoint]:
-    """Candidates whose context window (when discovered) holds the prompt and ``max_tokens``.
-
-    Only exact token counts filter (precise mode): an estimate must never refuse a request the
-    engine would take. When no window fits, the engine would refuse it too: a 400 that says why.
-    """
-    need = prompt + (max_tokens or 1)
-    windows = [catalog.context_window(e.address, route.upstream_model) for e in candidates]
-    fitting = [e for e, window in zip(candidates, windows, strict=True) if window is None or need <= window]
-    if fitting:
-        return fitting
-    largest = max(w for w in windows if w is not None)
-    asked = f"{prompt} prompt tokens" + (f" + max_tokens {max_tokens}" if max_tokens else "")
-    raise BadRequest(
-        f"This request needs {asked} = {need} tokens, more than the largest context window of the "
-        f"endpoints serving '{route.client_name}' ({largest})",
-        param="messages",
-    )
 
 
 def _all_endpoints(catalog: Catalog) -> list[Endpoint]:

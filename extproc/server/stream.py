@@ -19,14 +19,22 @@ from __future__ import annotations
 import logging
 import time
 from typing import Literal, Protocol
-from urllib.parse import unquote
 
 from extproc.errors import BadRequest, BodyTooLarge, ModelNotFound, Overloaded, RequestError
-from extproc.openai import INFERENCE_PATHS, model_response, models_list, parse_request, rewrite_model
+from extproc.openai import (
+    INFERENCE_PATHS,
+    MODELS_PATH,
+    InferenceRequest,
+    model_in_path,
+    model_response,
+    models_list,
+    normalize_path,
+    parse_request,
+    rewrite_model,
+)
 from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.scheduling.inflight import Lease
-from extproc.scheduling.prefix import PromptInput
 from extproc.scheduling.scheduler import Decision
 from extproc.server import messages
 from extproc.server.budget import BodyBudget
@@ -47,12 +55,7 @@ class Router(Protocol):
     """What a stream needs from the routing side (defined here, by its consumer)."""
 
     def schedule(
-        self,
-        model: str | None,
-        subset: frozenset[str] | None = None,
-        *,
-        prompt: PromptInput | None = None,
-        max_tokens: int | None = None,
+        self, request: InferenceRequest | None, subset: frozenset[str] | None = None
     ) -> Decision: ...
 
     def acquire(
@@ -83,6 +86,8 @@ class RequestStream:
         self._explanation: dict[str, str] | None = None
         self._full_duplex = False
         self._headers: dict[str, str] = {}
+        #: ``:path``, normalized once (see :func:`~extproc.openai.normalize_path`).
+        self._path = ""
         self._subset: frozenset[str] | None = None
         self._body = bytearray()
         self._done = False
@@ -121,6 +126,7 @@ class RequestStream:
     def _on_request_headers(self, request: ep.ProcessingRequest) -> Responses:
         self._full_duplex = request.protocol_config.request_body_mode == _FULL_DUPLEX
         self._headers = messages.header_map(request.request_headers)
+        self._path = normalize_path(self._headers.get(":path", ""))
         self._subset = messages.subset_hint(request)
         if not request.request_headers.end_of_stream:
             # A body follows. In FULL_DUPLEX the headers answer carries the decision, so it waits.
@@ -128,17 +134,16 @@ class RequestStream:
         return self._bodiless()
 
     def _bodiless(self) -> Responses:
-        method = self._headers.get(":method", "")
-        path = self._headers.get(":path", "").split("?", 1)[0].rstrip("/")
-        if method in ("GET", "HEAD") and path == "/v1/models":
+        method, path = self._headers.get(":method", ""), self._path
+        reading = method in ("GET", "HEAD")
+        if reading and path == MODELS_PATH:
             return self._answer(models_list(self._router.models()))
-        if method in ("GET", "HEAD") and path.startswith("/v1/models/"):
-            name = unquote(path.removeprefix("/v1/models/"))
+        if reading and (name := model_in_path(path)) is not None:
             for client, upstream in self._router.models():
                 if client == name:
                     return self._answer(model_response(client, upstream))
             raise ModelNotFound(f"The model '{name}' does not exist.", param="model")
-        if path in INFERENCE_PATHS or method not in ("GET", "HEAD"):
+        if path in INFERENCE_PATHS or not reading:
             # Bodiless writes (e.g. an engine's POST /reset_prefix_cache or /sleep) are not for
             # clients to send to a pod of our choosing; only reads pass without a model.
             raise BadRequest(f"{method} {path} needs a JSON body with a 'model' field")
@@ -173,11 +178,8 @@ class RequestStream:
         body = bytes(self._body)
         self._drop_body()
         self._metrics.body_bytes.observe(len(body))
-        parsed = parse_request(body)
-        path = self._headers.get(":path", "").split("?", 1)[0].rstrip("/")
-        decision = self._router.schedule(
-            parsed.model, self._subset, prompt=PromptInput(path, parsed.payload), max_tokens=parsed.max_tokens
-        )
+        parsed = parse_request(body, path=self._path)
+        decision = self._router.schedule(parsed, self._subset)
         route = decision.route
         rewritten: bytes | None = None
         if route is not None and route.is_alias:

@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc import __version__
+from extproc.openai import ChatPrompt, CompletionPrompt, flag
 from extproc.sim import responses
 from extproc.sim.requests import (
     Generation,
@@ -31,7 +32,7 @@ from extproc.sim.requests import (
     resolve_model,
 )
 from extproc.sim.responses import ResponseHead, Usage
-from extproc.tokenize.prompts import chat_prompt_ids, completion_prompt_ids, flag
+from extproc.tokenize.prompts import chat_prompt_ids, completion_prompt_ids
 
 if TYPE_CHECKING:
     from extproc.sim.server import SimServer
@@ -175,10 +176,12 @@ class _Api:
         tokenizer = self.server.tokenizer
         with refusals():
             if "messages" in body:
-                ids = chat_prompt_ids(body, tokenizer, self.server.chat_template)
+                ids = chat_prompt_ids(ChatPrompt.from_body(body), tokenizer, self.server.chat_template)
             elif "prompt" in body:
                 add_special = flag(body, "add_special_tokens", True)
-                ids = completion_prompt_ids(body["prompt"], tokenizer, add_special_tokens=add_special)
+                ids = completion_prompt_ids(
+                    CompletionPrompt.from_body(body), tokenizer, add_special_tokens=add_special
+                )
             else:
                 raise SimRequestError(400, "give either 'prompt' or 'messages'")
         strs = self.server.tokenizer.token_strs(ids) if body.get("return_token_strs") else None

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from extproc.errors import BadRequest
+from extproc.openai import ChatPrompt, CompletionPrompt, flag
 from extproc.tokenize import ChatTemplate, Tokenizer
-from extproc.tokenize.prompts import chat_prompt_ids, completion_prompt_ids, flag
+from extproc.tokenize.prompts import chat_prompt_ids, completion_prompt_ids
 
 
 class SimRequestError(Exception):
@@ -99,7 +100,7 @@ def parse_completion(
     body = _object(body)
     model = resolve_model(models, body)
     with refusals():
-        prompt_ids = completion_prompt_ids(body.get("prompt"), tokenizer)
+        prompt_ids = completion_prompt_ids(CompletionPrompt.from_body(body), tokenizer)
         max_tokens = _max_tokens(body, ("max_tokens",), default=COMPLETIONS_DEFAULT_MAX_TOKENS)
         return _generation(body, model, prompt_ids, max_tokens, limits)
 
@@ -116,7 +117,7 @@ def parse_chat(
     body = _object(body)
     model = resolve_model(models, body)
     with refusals():
-        prompt_ids = chat_prompt_ids(body, tokenizer, template)
+        prompt_ids = chat_prompt_ids(ChatPrompt.from_body(body), tokenizer, template)
         max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), default=None)
         return _generation(body, model, prompt_ids, max_tokens, limits)
 

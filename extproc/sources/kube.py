@@ -21,20 +21,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from extproc.catalog.model import Catalog
 from extproc.catalog.resources import SERVICE_NAME_LABEL, Resource
-from extproc.kube.client import KubeSettings, api_client
+from extproc.kube.client import ApiClient, KubeSettings, api_client
 from extproc.kube.reflector import Reflector, ReflectorOptions
 from extproc.kube.resources import ENDPOINT_SLICES, SERVICES, WORKER_SETS
 from extproc.kube.wire import RawObject
 from extproc.settings import SourceSettings
 from extproc.sources.file import ReloadOutcome
 from extproc.sources.objects import ObjectKey, Parsed, ProblemLog, VersionKey, compile_objects
-
-if TYPE_CHECKING:
-    from kubernetes import client as k8s_client
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +52,7 @@ class KubeSource:
         settings: SourceSettings,
         *,
         on_reload: Callable[[ReloadOutcome], None] | None = None,
-        api: k8s_client.ApiClient | None = None,
+        api: ApiClient | None = None,
         options: ReflectorOptions | None = None,
         debounce: float = 0.05,
     ) -> None:

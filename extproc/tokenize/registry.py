@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from extproc.errors import ConfigError
+from extproc.openai import ChatPrompt, Prompt
+from extproc.settings import TokenizerSpec
 from extproc.tokenize.chat_template import ChatTemplate
 from extproc.tokenize.prompts import chat_prompt_ids, completion_prompt_ids
 from extproc.tokenize.shipped import is_template_name, shipped_template, shipped_tokenizer_dir
@@ -21,31 +22,6 @@ from extproc.tokenize.tokenizer import Tokenizer
 
 #: ``--tokenizer MODEL=extproc:tiny`` names the tokenizer shipped with extproc (the simulator's).
 SHIPPED_TOKENIZER = "extproc:tiny"
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
-
-
-@dataclass(frozen=True, slots=True)
-class TokenizerSpec:
-    """One model's tokenizer source: a folder, a Hugging Face model id, or ``extproc:tiny``."""
-
-    model: str
-    tokenizer: str
-    #: A template file or a shipped name (``chatml``, ``llama3``); None = the tokenizer's own.
-    chat_template: str | None = None
-
-    @staticmethod
-    def parse_pairs(flag: str, values: Iterable[str]) -> dict[str, str]:
-        """``MODEL=VALUE`` flags -> {model: value}; model names may contain ``=``-free slashes."""
-        pairs: dict[str, str] = {}
-        for value in values:
-            model, sep, rest = value.rpartition("=")
-            if not sep or not model or not rest:
-                raise ConfigError(f"{flag}: expected MODEL=VALUE, got {value!r}")
-            if model in pairs:
-                raise ConfigError(f"{flag}: model {model!r} is given twice")
-            pairs[model] = rest
-        return pairs
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,19 +31,17 @@ class ModelTokenizer:
     tokenizer: Tokenizer
     template: ChatTemplate | None
 
-    def prompt_ids(self, path: str, payload: Mapping[str, Any]) -> list[int] | None:
-        """Token ids for chat and completions bodies; None for other paths (no prompt to match).
+    def prompt_ids(self, prompt: Prompt) -> list[int] | None:
+        """The prompt's token ids; None for a chat prompt when no chat template is known.
 
-        Raises :class:`~extproc.errors.BadRequest` when the body cannot be tokenized the way the engine would
-        (the engine would refuse it too).
+        Raises :class:`~extproc.errors.BadRequest` when the prompt cannot be tokenized the way the
+        engine would (the engine would refuse it too).
         """
-        if path == CHAT_PATH:
+        if isinstance(prompt, ChatPrompt):
             if self.template is None:
                 return None
-            return chat_prompt_ids(payload, self.tokenizer, self.template)
-        if path == COMPLETIONS_PATH:
-            return completion_prompt_ids(payload.get("prompt"), self.tokenizer)
-        return None
+            return chat_prompt_ids(prompt, self.tokenizer, self.template)
+        return completion_prompt_ids(prompt, self.tokenizer)
 
 
 class TokenizerRegistry:

@@ -14,9 +14,10 @@ from extproc.catalog.store import CatalogStore
 from extproc.demo.backends import Backend
 from extproc.demo.catalog import LocalWorkerSet, catalog_documents
 from extproc.engines.parity import ParityChecker, compare, probe_targets
+from extproc.settings import TokenizerSpec
 from extproc.sim.server import SimServer
 from extproc.sim.settings import SimSettings
-from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerRegistry, TokenizerSpec
+from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerRegistry
 
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 

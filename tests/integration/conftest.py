@@ -17,7 +17,7 @@ from ports import free_port
 
 from extproc.demo.backends import Backend
 from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
-from extproc.server.app import Server
+from extproc.serve.app import Server
 from extproc.settings import ServeSettings, SourceSettings
 
 LLAMA = "meta-llama/Meta-Llama-3-8B-Instruct"

@@ -24,12 +24,13 @@ from ports import free_port
 from extproc.demo.catalog import LocalWorkerSet, catalog_yaml, kv_ports_of
 from extproc.kvindex.events import Source
 from extproc.kvindex.keys import block_keys, namespace_seed
-from extproc.server.app import Server
-from extproc.settings import PrefixSettings, ServeSettings, SourceSettings
+from extproc.openai import read_request
+from extproc.serve.app import Server
+from extproc.settings import PrefixSettings, ServeSettings, SourceSettings, TokenizerSpec
 from extproc.sim.engine_core import EngineParams
 from extproc.sim.server import SimServer
 from extproc.sim.settings import KVEventSettings, SimSettings
-from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerSpec
+from extproc.tokenize.registry import SHIPPED_TOKENIZER
 from extproc.types import EndpointAddress
 
 LLAMA = "meta-llama/Meta-Llama-3-8B-Instruct"
@@ -159,7 +160,9 @@ def prompt_ids(server: Server, body: Mapping[str, Any], path: str = CHAT) -> lis
     """The token ids the router computes for ``body`` (with its own tokenizer and template)."""
     tokenizer = server.prefix.tokenizers.get(LLAMA)
     assert tokenizer is not None
-    ids = tokenizer.prompt_ids(path, body)
+    prompt = read_request(path, dict(body)).prompt
+    assert prompt is not None
+    ids = tokenizer.prompt_ids(prompt)
     assert ids is not None
     return ids
 

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from extproc.server.app import Server
+from extproc.serve.app import Server
 from extproc.sim.server import SimServer
 
 from .sim_gateway import (

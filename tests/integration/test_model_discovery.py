@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from extproc.errors import BadRequest
-from extproc.scheduling.prefix import PromptInput
-from extproc.server.app import Server
+from extproc.openai import read_request
+from extproc.serve.app import Server
 from extproc.sim.server import SimServer
 from extproc.sim.settings import LoraModule
 
@@ -47,7 +47,7 @@ async def test_endpoint_mode_routes_discovered_names_adapters_and_aliases(tmp_pa
         assert [e.address for e in sql.endpoints] == [engines[0].address]
         assert chat.upstream_model == LLAMA and len(chat.endpoints) == 2
         assert catalog_now.context_window(chat.endpoints[0].address, chat.upstream_model) == 4096
-        decision = server.scheduler.schedule("sql")
+        decision = server.scheduler.schedule(read_request("/v1/completions", {"model": "sql", "prompt": "q"}))
         assert decision.endpoints[0].address == engines[0].address
         assert sorted(name for name, _ in server.scheduler.models()) == sorted(["chat", LLAMA, "sql"])
 
@@ -66,8 +66,8 @@ async def test_context_window_filter_refuses_what_no_endpoint_can_hold(tmp_path:
             lambda: server.store.current.context_window(engine.address, LLAMA) is not None,  # type: ignore[arg-type]
             what="the context window discovered",
         )
-        prompt = PromptInput("/v1/completions", {"prompt": "hello there"})
-        fits = server.scheduler.schedule("chat", prompt=prompt, max_tokens=100)
+        prompt = {"model": "chat", "prompt": "hello there"}
+        fits = server.scheduler.schedule(read_request("/v1/completions", {**prompt, "max_tokens": 100}))
         assert fits.endpoints[0].address == engine.address
         with pytest.raises(BadRequest, match=r"largest context window .*\(4096\)"):
-            server.scheduler.schedule("chat", prompt=prompt, max_tokens=5000)
+            server.scheduler.schedule(read_request("/v1/completions", {**prompt, "max_tokens": 5000}))

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from extproc.kvindex.events import Source
-from extproc.server.app import Server
+from extproc.serve.app import Server
 from extproc.sim.server import SimServer
 from extproc.tokenize.shipped import shipped_template, shipped_tokenizer
 from extproc.types import EndpointAddress

@@ -22,7 +22,7 @@ from ports import free_port
 from extproc.catalog.build import AWAITING_DISCOVERY
 from extproc.catalog.model import Catalog
 from extproc.kube.reflector import ReflectorOptions
-from extproc.server.app import Server
+from extproc.serve.app import Server
 from extproc.settings import ServeSettings, SourceSettings
 from extproc.sources.file import FileSource
 from extproc.sources.kube import KubeSource

@@ -1,8 +1,6 @@
-"""Approximate prefix affinity: prompt text, chunk keys, matching leading chunks, LRU bound, forgetting."""
+"""Approximate prefix affinity: chunk keys, matching leading chunks, LRU bound, forgetting."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import pytest
 
@@ -10,7 +8,6 @@ from extproc.kvindex.approx import (
     CHARS_PER_BLOCK,
     CHARS_PER_TOKEN,
     ApproxPrefixIndex,
-    prompt_text,
     text_keys,
 )
 from extproc.types import EndpointAddress
@@ -20,71 +17,8 @@ B = EndpointAddress("10.0.0.2:8000")
 C = EndpointAddress("10.0.0.3:8000")
 MODEL = "llama"
 TOKENS_PER_BLOCK = CHARS_PER_BLOCK // CHARS_PER_TOKEN
-PARTS = [{"type": "text", "text": "Look "}, {"type": "image_url"}, {"text": "here"}]
 #: Eight distinct full chunks.
 TEXT = "".join(f"chunk {i} ".ljust(CHARS_PER_BLOCK, chr(ord("a") + i)) for i in range(8))
-
-
-@pytest.mark.parametrize(
-    ("path", "payload", "expected"),
-    [
-        ("/v1/completions", {"prompt": "Once upon a time"}, "Once upon a time"),
-        ("/v1/completions", {"prompt": [101, 7, 42]}, "101 7 42"),
-        ("/v1/completions", {"prompt": ["Once upon a time"]}, "Once upon a time"),
-        ("/v1/completions", {"prompt": [[101, 7, 42]]}, "101 7 42"),
-        ("/v1/completions", {"prompt": None}, None),
-        ("/v1/completions", {"messages": [{"role": "user", "content": "hi"}]}, None),
-        (
-            "/v1/chat/completions",
-            {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]},
-            "<system>Be brief.<user>Hi",
-        ),
-        (
-            "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": PARTS}]},
-            "<user>Look here",
-        ),
-        (
-            "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]},
-            "<user>Hi<assistant>",
-        ),
-        ("/v1/chat/completions", {"messages": "Hi"}, None),
-        ("/v1/chat/completions", {"messages": ["Hi"]}, None),
-        ("/v1/embeddings", {"input": "Hi"}, None),
-    ],
-    ids=[
-        "completion-string",
-        "completion-token-ids",
-        "completion-batch-of-one-string",
-        "completion-batch-of-one-token-list",
-        "completion-no-prompt",
-        "completion-path-ignores-messages",
-        "chat-string-content",
-        "chat-content-parts",
-        "chat-null-content",
-        "chat-messages-not-a-list",
-        "chat-message-not-an-object",
-        "embeddings",
-    ],
-)
-def test_prompt_text(path: str, payload: dict[str, Any], expected: str | None) -> None:
-    """The completion prompt or the chat messages in order (role-tagged); None when there is no prompt."""
-    assert prompt_text(path, payload) == expected
-
-
-def test_prompt_text_single_token_prompt() -> None:
-    """A one-token id prompt is a prompt (as ``[[5]]`` is), not "no prompt"."""
-    assert prompt_text("/v1/completions", {"prompt": [[5]]}) == "5"
-    assert prompt_text("/v1/completions", {"prompt": [5]}) == "5"
-
-
-@pytest.mark.parametrize("text", [None, 5, ["a"]], ids=["null", "number", "list"])
-def test_prompt_text_tolerates_non_string_text_parts(text: Any) -> None:
-    """A malformed text part (the engine's 400 to give) does not crash prompt extraction."""
-    parts = [{"type": "text", "text": text}, {"type": "text", "text": "ok"}]
-    result = prompt_text("/v1/chat/completions", {"messages": [{"role": "user", "content": parts}]})
-    assert result is None or isinstance(result, str)
 
 
 @pytest.mark.parametrize(

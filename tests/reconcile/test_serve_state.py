@@ -16,7 +16,7 @@ from extproc.reconcile.serve_state import (
     ServeWatcher,
     parse_router_view,
 )
-from extproc.server.app import Server
+from extproc.serve.app import Server
 from extproc.settings import ServeSettings, SourceSettings
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "catalog.yaml"

@@ -33,3 +33,16 @@ def test_pending_prefill_counts_until_its_predicted_end_then_decodes() -> None:
     plain.release()
     long.release()
     assert inflight.count(A) == 0 and inflight.pending_prefill(A) == (0, 0)
+
+
+def test_leases_release_once() -> None:
+    """Releasing a lease twice does not double-count; zero counts disappear."""
+    inflight = InFlight()
+    a = EndpointAddress("127.0.0.1:8000")
+    first, second = inflight.acquire(a), inflight.acquire(a)
+    assert inflight.count(a) == 2
+    first.release()
+    first.release()
+    assert inflight.count(a) == 1
+    second.release()
+    assert inflight.snapshot() == {}

@@ -8,16 +8,15 @@ from dataclasses import replace
 import pytest
 
 from extproc.catalog.model import Endpoint
-from extproc.engines.signals import EngineSignals
-from extproc.scheduling.policy import Candidate, RequestFacts
+from extproc.scheduling.policy import Candidate, Ranking, RequestFacts
 from extproc.scheduling.predictor import (
     PredictedTTFT,
     Prediction,
-    all_saturated,
     effective_cached_tokens,
     predict,
 )
 from extproc.scheduling.profiles import DEFAULT, Profile
+from extproc.scheduling.signals import EngineSignals
 from extproc.sim.engine_core import EngineCore, EngineParams, SimRequest
 from extproc.types import EndpointAddress, WorkerSetKey
 
@@ -46,8 +45,12 @@ def policy(profile: Profile = DEFAULT) -> PredictedTTFT:
     return PredictedTTFT(lambda _e: profile)
 
 
-def order(ranked: list[Candidate]) -> list[str]:
-    return [c.endpoint.ip for c in ranked]
+def first(ranking: Ranking) -> Candidate:
+    return ranking.candidates[0]
+
+
+def order(ranked: Ranking | list[Candidate]) -> list[str]:
+    return [c.endpoint.ip for c in (ranked.candidates if isinstance(ranked, Ranking) else ranked)]
 
 
 # -- the formula on constructed states ----------------------------------------------------------------
@@ -145,7 +148,7 @@ def test_cache_hit_wins_when_loads_are_equal() -> None:
             hot = cand(2, in_flight=6, cached=1024, sig=sig)
             cold = [cand(n, in_flight=6, sig=sig) for n in (1, 3, 4)]
             ranked = policy().rank(facts(3000), [*cold, hot], random.Random(seed))
-            assert ranked[0] is hot
+            assert first(ranked) is hot
 
 
 def test_affinity_yields_when_the_holders_queue_grows() -> None:
@@ -155,7 +158,7 @@ def test_affinity_yields_when_the_holders_queue_grows() -> None:
     def winners(holder: Candidate) -> frozenset[str]:
         """Who ranks first over several seeds (both, in the near-tie zone)."""
         return frozenset(
-            policy().rank(request, [holder, cand(2)], random.Random(seed))[0].endpoint.ip
+            first(policy().rank(request, [holder, cand(2)], random.Random(seed))).endpoint.ip
             for seed in range(16)
         )
 
@@ -186,22 +189,24 @@ def test_saturated_endpoints_rank_last_and_all_saturated_sheds() -> None:
     prediction = predict(facts(3100), hot, p)
     assert prediction.saturated
     assert not predict(facts(3100), busy, p).saturated
-    ranking = policy(p).evaluate(facts(3100), [hot, busy], random.Random(0))
-    assert order(ranking.candidates) == ["10.0.0.2", "10.0.0.1"]
-    assert [x.saturated for x in ranking.predictions] == [False, True]
+    ordered = policy(p).ordered(facts(3100), [hot, busy], random.Random(0))
+    assert [c.endpoint.ip for _, c in ordered] == ["10.0.0.2", "10.0.0.1"]
+    assert [x.saturated for x, _ in ordered] == [False, True]
+    ranking = policy(p).rank(facts(3100), [hot, busy], random.Random(0))
+    assert order(ranking) == ["10.0.0.2", "10.0.0.1"]
     assert not ranking.shed
     both = [hot, cand(2, in_flight=11, sig=signals(8, 3))]
-    ranking = policy(p).evaluate(facts(3100), both, random.Random(0))
-    assert ranking.shed and all_saturated(ranking.predictions)
+    assert all(x.saturated for x, _ in policy(p).ordered(facts(3100), both, random.Random(0)))
+    ranking = policy(p).rank(facts(3100), both, random.Random(0))
+    assert ranking.shed
     assert len(ranking.candidates) == 2  # still ranked, for a caller that does not shed
 
 
 def test_without_a_queue_limit_nothing_is_saturated() -> None:
     deep = cand(1, in_flight=5000, sig=signals(256, 4744))
     assert not predict(facts(100), deep, DEFAULT).saturated
-    assert not policy().evaluate(facts(100), [deep], random.Random(0)).shed
-    assert not all_saturated([])
-    assert not policy().evaluate(facts(100), [], random.Random(0)).shed
+    assert not policy().rank(facts(100), [deep], random.Random(0)).shed
+    assert not policy().rank(facts(100), [], random.Random(0)).shed
 
 
 def test_queue_limit_zero_saturates_at_the_batch_cap() -> None:
@@ -221,11 +226,11 @@ def test_ties_are_random_but_reproducible_with_a_seed() -> None:
 def test_near_ties_within_tolerance_shuffle_clear_winners_do_not() -> None:
     # 16 cached tokens save 1 ms of prefill on a ~70 ms prediction: a tie.
     near = [cand(1, cached=0), cand(2, cached=16)]
-    firsts = {policy().rank(facts(1000), near, random.Random(s))[0].endpoint.ip for s in range(30)}
+    firsts = {first(policy().rank(facts(1000), near, random.Random(s))).endpoint.ip for s in range(30)}
     assert firsts == {"10.0.0.1", "10.0.0.2"}
     # 512 cached tokens save 32 ms: always first.
     clear = [cand(1, cached=0), cand(2, cached=512)]
-    firsts = {policy().rank(facts(1000), clear, random.Random(s))[0].endpoint.ip for s in range(30)}
+    firsts = {first(policy().rank(facts(1000), clear, random.Random(s))).endpoint.ip for s in range(30)}
     assert firsts == {"10.0.0.2"}
 
 
@@ -235,9 +240,14 @@ def test_each_endpoint_uses_its_worker_sets_profile() -> None:
     chosen = PredictedTTFT(lambda e: profiles[e.worker_set])
     fast_pod = Candidate(endpoint(1, FAST), 3, 0)
     slow_pod = Candidate(endpoint(2, SLOW), 0, 0)
-    ranking = chosen.evaluate(facts(4000), [slow_pod, fast_pod], random.Random(0))
-    assert ranking.candidates[0] is fast_pod
-    assert ranking.predictions[1] == predict(facts(4000), slow_pod, slow)
+    ordered = chosen.ordered(facts(4000), [slow_pod, fast_pod], random.Random(0))
+    assert ordered[0][1] is fast_pod
+    assert ordered[1][0] == predict(facts(4000), slow_pod, slow)
+    ranking = chosen.rank(facts(4000), [slow_pod, fast_pod], random.Random(0))
+    assert first(ranking) is fast_pod
+    best = ordered[0][0]
+    assert ranking.prefill == (best.uncached_tokens, best.ttft_s)
+    assert ranking.notes == {"x-extproc-predicted-ttft-ms": f"{best.ttft_s * 1000:.1f}"}
     assert chosen.name == "predicted-ttft"
 
 

@@ -15,16 +15,18 @@ import pytest
 from catalog.test_build import build, eps, iws, svc
 
 from extproc.catalog.model import Catalog, Route
-from extproc.kvindex.approx import CHARS_PER_BLOCK, CHARS_PER_TOKEN, ApproxPrefixIndex, prompt_text
+from extproc.kvindex.approx import CHARS_PER_BLOCK, CHARS_PER_TOKEN, ApproxPrefixIndex
 from extproc.kvindex.events import Source
 from extproc.kvindex.follow import plan_sources
 from extproc.kvindex.index import PrefixIndex
 from extproc.kvindex.ingest import IndexIngest
-from extproc.scheduling.prefix import PrefixMatch, PrefixScorer, PromptInput
+from extproc.openai import read_request
+from extproc.scheduling.prefix import PrefixMatch, PrefixScorer
+from extproc.settings import TokenizerSpec
 from extproc.sim.kv_events import BlockStored
 from extproc.sim.kv_wire import encode_batch
 from extproc.tokenize import shipped_chat_template, shipped_tokenizer
-from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerRegistry, TokenizerSpec
+from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerRegistry
 from extproc.types import EndpointAddress
 
 #: A model with a tokenizer, and one without.
@@ -87,7 +89,7 @@ def engine_tokens(path: str, payload: dict[str, Any]) -> list[int]:
 
 def estimated_tokens(path: str, payload: dict[str, Any]) -> int:
     """Without token ids, the prompt's length is estimated at ~4 characters a token."""
-    text = prompt_text(path, payload)
+    text = read_request(path, {"model": LLAMA, **payload}).prefix_text
     assert text is not None
     return len(text) // CHARS_PER_TOKEN
 
@@ -116,7 +118,8 @@ class Router:
     ) -> PrefixMatch:
         route = self.route(model)
         candidates = [e for e in route.endpoints if only is None or e.address in only]
-        return self.scorer.match(self.catalog, route, PromptInput(path, payload), candidates)
+        request = read_request(path, {"model": model, **payload})
+        return self.scorer.match(self.catalog, route, request, candidates)
 
     def feed(
         self,
@@ -352,7 +355,7 @@ def match_after_rank1_stores(catalog: Catalog, *, medium: str) -> PrefixMatch:
     scorer = PrefixScorer(index=index, tokenizers=REGISTRY, approx=ApproxPrefixIndex())
     route = catalog.resolve(LLAMA)
     assert route is not None
-    return scorer.match(catalog, route, PromptInput(path, payload), route.endpoints)
+    return scorer.match(catalog, route, read_request(path, {"model": LLAMA, **payload}), route.endpoints)
 
 
 def test_data_parallel_pod_reports_the_rank_holding_the_prefix() -> None:

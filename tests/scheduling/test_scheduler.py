@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from extproc.errors import ModelNotFound, NoReadyEndpoint
+from extproc.openai import InferenceRequest, read_request
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.prefix import NO_MATCH, PromptInput
+from extproc.scheduling.prefix import NO_MATCH
 from extproc.scheduling.scheduler import Scheduler
 from scheduling.test_prefix import (
     BIG,
@@ -28,6 +29,11 @@ from scheduling.test_prefix import (
     Router,
     engine_tokens,
 )
+
+
+def req(model: str, path: str, payload: dict[str, Any]) -> InferenceRequest:
+    """The typed request for ``payload`` sent to ``path`` for ``model``."""
+    return read_request(path, {"model": model, **payload})
 
 
 def make_scheduler(
@@ -59,7 +65,7 @@ def test_precise_holder_wins_over_less_loaded_pods(path: str, payload: dict[str,
     router.feed(KV2, tokens, 6)
     router.feed(BIG, tokens, 2, engine_block=32)
     busy(inflight, KV2=5, BIG=1, KV1=2)
-    decision = make_scheduler(router, inflight).schedule(LLAMA, prompt=PromptInput(path, payload))
+    decision = make_scheduler(router, inflight).schedule(req(LLAMA, path, payload))
     assert [e.address for e in decision.endpoints] == [KV2, BIG, PLAIN, KV1]
     assert decision.prefix.mode == "precise"
     assert decision.prefix.cached_tokens[KV2] == 6 * 16
@@ -70,9 +76,7 @@ def test_precise_decision_records_nothing() -> None:
     """When every candidate publishes KV events, the engines' events are the only memory."""
     router, inflight = Router(), InFlight()
     path, payload = PROMPTS[0]
-    decision = make_scheduler(router, inflight).schedule(
-        LLAMA, frozenset({KV1, KV2}), prompt=PromptInput(path, payload)
-    )
+    decision = make_scheduler(router, inflight).schedule(req(LLAMA, path, payload), frozenset({KV1, KV2}))
     assert decision.prefix.mode == "precise" and decision.prefix.approx_keys == []
     assert len(router.scorer.approx) == 0
 
@@ -95,30 +99,26 @@ def test_approximate_decisions_are_recorded_and_followed(
     """Without a tokenizer, a request sharing an earlier prefix follows it to its pod, even when busier."""
     router, inflight = Router(), InFlight()
     scheduler = make_scheduler(router, inflight)
-    one = scheduler.schedule(QWEN, prompt=PromptInput(path, first))
+    one = scheduler.schedule(req(QWEN, path, first))
     assert one.prefix.mode == "approximate" and one.prefix.cached_tokens == {Q1: 0, Q2: 0}
     assert len(router.scorer.approx) == len(one.prefix.approx_keys) > 0
     went = one.endpoints[0].address
     inflight.acquire(went)
-    two = scheduler.schedule(QWEN, prompt=PromptInput(path, second))
+    two = scheduler.schedule(req(QWEN, path, second))
     assert two.endpoints[0].address == went
     assert two.prefix.mode == "approximate" and two.prefix.cached_tokens[went] > 0
 
 
 def test_without_prefix_scorer_or_prompt_the_least_loaded_wins() -> None:
-    """No scorer, no prompt, or no model: load alone decides and the decision carries no match."""
+    """No scorer, or no body: load alone decides and the decision carries no match."""
     router, inflight = Router(), InFlight()
     path, payload = PROMPTS[0]
     router.feed(KV2, engine_tokens(path, payload), 6)
     busy(inflight, KV2=1, KV1=1, BIG=1)
-    prompt = PromptInput(path, payload)
-    for decision in (
-        make_scheduler(None, inflight).schedule(LLAMA, prompt=prompt),
-        make_scheduler(router, inflight).schedule(LLAMA),
-    ):
-        assert decision.endpoints[0].address == PLAIN
-        assert decision.prefix is NO_MATCH
-    bodiless = make_scheduler(router, inflight).schedule(None, prompt=prompt)
+    decision = make_scheduler(None, inflight).schedule(req(LLAMA, path, payload))
+    assert decision.endpoints[0].address == PLAIN
+    assert decision.prefix is NO_MATCH
+    bodiless = make_scheduler(router, inflight).schedule(None)
     assert bodiless.route is None and bodiless.prefix is NO_MATCH
     assert router.scorer.counters.lookups == {"precise": 0, "approximate": 0, "none": 0}
 
@@ -127,9 +127,7 @@ def test_requests_without_a_prompt_are_scheduled_by_load_and_not_recorded() -> N
     """An embeddings request is matched in mode none: least loaded wins, nothing is learned."""
     router, inflight = Router(), InFlight()
     busy(inflight, Q1=2)
-    decision = make_scheduler(router, inflight).schedule(
-        QWEN, prompt=PromptInput("/v1/embeddings", {"input": "x" * 500})
-    )
+    decision = make_scheduler(router, inflight).schedule(req(QWEN, "/v1/embeddings", {"input": "x" * 500}))
     assert decision.endpoints[0].address == Q2
     assert decision.prefix.mode == "none"
     assert len(router.scorer.approx) == 0
@@ -141,7 +139,7 @@ def test_subset_is_applied_before_scoring() -> None:
     path, payload = PROMPTS[0]
     router.feed(KV2, engine_tokens(path, payload), 6)
     decision = make_scheduler(router, inflight).schedule(
-        LLAMA, frozenset({KV1, "10.0.3.1"}), prompt=PromptInput(path, payload)
+        req(LLAMA, path, payload), frozenset({KV1, "10.0.3.1"})
     )
     assert {e.address for e in decision.endpoints} == {KV1, BIG}
     assert set(decision.prefix.cached_tokens) == {KV1, BIG}
@@ -155,9 +153,7 @@ def test_equal_cache_ties_are_spread() -> None:
     router.feed(KV1, tokens, 4)
     router.feed(KV2, tokens, 4)
     scheduler = make_scheduler(router, inflight, seed=5)
-    picks = Counter(
-        scheduler.schedule(LLAMA, prompt=PromptInput(path, payload)).endpoints[0].address for _ in range(400)
-    )
+    picks = Counter(scheduler.schedule(req(LLAMA, path, payload)).endpoints[0].address for _ in range(400))
     assert set(picks) == {KV1, KV2}
     assert min(picks.values()) > 120, picks
 
@@ -173,5 +169,5 @@ def test_errors_come_before_any_lookup(
     """Unknown models and empty subsets fail without a prefix lookup."""
     router = Router()
     with pytest.raises(error):
-        make_scheduler(router, InFlight()).schedule(model, subset, prompt=PromptInput(*PROMPTS[0]))
+        make_scheduler(router, InFlight()).schedule(req(model, *PROMPTS[0]), subset)
     assert router.scorer.counters.lookups == {"precise": 0, "approximate": 0, "none": 0}

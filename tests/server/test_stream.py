@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from extproc.catalog.model import Catalog, Endpoint, Route, WorkerSet
+from extproc.openai import InferenceRequest
 from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.scheduling.inflight import InFlight, Lease
@@ -351,14 +352,7 @@ class _RankedRouter:
         self.inflight = InFlight()
         self.rank = rank
 
-    def schedule(
-        self,
-        model: str | None,
-        subset: frozenset[str] | None = None,
-        *,
-        prompt: object = None,
-        max_tokens: object = None,
-    ) -> Decision:
+    def schedule(self, request: InferenceRequest | None, subset: frozenset[str] | None = None) -> Decision:
         route = _catalog().resolve("llama-3-8b")
         assert route is not None
         pick = route.endpoints[0]

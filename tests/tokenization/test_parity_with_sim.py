@@ -35,11 +35,12 @@ from integration.sim_gateway import (
     write_catalog,
 )
 
-from extproc.scheduling.prefix import PromptInput
-from extproc.server.app import Server
+from extproc.openai import read_request
+from extproc.serve.app import Server
+from extproc.settings import TokenizerSpec
 from extproc.sim.server import SimServer
 from extproc.sim.settings import SimSettings
-from extproc.tokenize.registry import SHIPPED_TOKENIZER, ModelTokenizer, TokenizerRegistry, TokenizerSpec
+from extproc.tokenize.registry import SHIPPED_TOKENIZER, ModelTokenizer, TokenizerRegistry
 from extproc.tokenize.shipped import TEMPLATE_NAMES, shipped_tokenizer
 
 TOOLS = [
@@ -228,7 +229,9 @@ async def test_router_ids_equal_the_engines(
     template = engine.settings.chat_template
     assert template is not None
     body = {"model": LLAMA, **case}
-    ours = registry(template).prompt_ids(path, body)
+    prompt = read_request(path, body).prompt
+    assert prompt is not None
+    ours = registry(template).prompt_ids(prompt)
     assert ours is not None and len(ours) > 0
     # vLLM's /tokenize takes both forms on one path: "messages" (chat) or "prompt" (completion).
     assert ours == await engine_tokenize(session, engine, body)
@@ -243,7 +246,9 @@ def test_the_cases_exercise_what_they_claim() -> None:
     paths = {name: path for name, path, _ in CASES}
 
     def ids(tok: ModelTokenizer, name: str, **override: Any) -> list[int]:
-        got = tok.prompt_ids(paths[name], {**bodies[name], **override})
+        prompt = read_request(paths[name], {**bodies[name], **override}).prompt
+        assert prompt is not None
+        got = tok.prompt_ids(prompt)
         assert got is not None
         return got
 
@@ -328,7 +333,7 @@ async def test_other_template_gives_other_ids_and_misses_the_engines_cache(
         # What each router's scheduler credits the engine with for a follow-up chat.
         follow_up = {**chat, "messages": [chat["messages"][0], {"role": "user", "content": "Bye"}]}
         credited = {
-            template: server.scheduler.schedule("chat", prompt=PromptInput(CHAT, follow_up)).prefix
+            template: server.scheduler.schedule(read_request(CHAT, {**follow_up, "model": "chat"})).prefix
             for template, server in routers.items()
         }
         assert credited["llama3"].mode == "precise"

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from extproc.errors import BadRequest, ConfigError
+from extproc.openai import ChatPrompt, CompletionPrompt
+from extproc.settings import TokenizerSpec
 from extproc.tokenize import shipped_chat_template, shipped_tokenizer
-from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerRegistry, TokenizerSpec
+from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerRegistry
 
 LLAMA = "meta-llama/Meta-Llama-3-8B-Instruct"
 CHAT = [{"role": "user", "content": "Hi there"}]
@@ -40,19 +42,15 @@ def test_missing_tokenizer_names_the_model_and_path() -> None:
 
 
 def test_prompt_ids_match_what_the_engine_computes() -> None:
-    """Chat uses the model's template, completions add BOS, other paths have no prompt."""
+    """Chat uses the model's template, completions add BOS, token ids are taken as given."""
     registry = TokenizerRegistry.load([TokenizerSpec(LLAMA, SHIPPED_TOKENIZER, "llama3")])
     model = registry.get(LLAMA)
     assert model is not None and registry.get("other") is None
     tokenizer, template = shipped_tokenizer(), shipped_chat_template("llama3")
     text = template.render(CHAT, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-    assert model.prompt_ids("/v1/chat/completions", {"messages": CHAT}) == tokenizer.encode(
-        text, add_special_tokens=False
-    )
-    assert model.prompt_ids("/v1/completions", {"prompt": "Hi"}) == tokenizer.encode(
-        "Hi", add_special_tokens=True
-    )
-    assert model.prompt_ids("/v1/embeddings", {"input": "Hi"}) is None
+    assert model.prompt_ids(ChatPrompt(tuple(CHAT))) == tokenizer.encode(text, add_special_tokens=False)
+    assert model.prompt_ids(CompletionPrompt("Hi")) == tokenizer.encode("Hi", add_special_tokens=True)
+    assert model.prompt_ids(CompletionPrompt((5, 7))) == [5, 7]
 
 
 def test_different_templates_give_different_prompts() -> None:
@@ -62,14 +60,12 @@ def test_different_templates_give_different_prompts() -> None:
     )
     a, b = registry.get("a"), registry.get("b")
     assert a is not None and b is not None
-    assert a.prompt_ids("/v1/chat/completions", {"messages": CHAT}) != b.prompt_ids(
-        "/v1/chat/completions", {"messages": CHAT}
-    )
+    assert a.prompt_ids(ChatPrompt(tuple(CHAT))) != b.prompt_ids(ChatPrompt(tuple(CHAT)))
 
 
-def test_untokenizable_body_is_a_bad_request() -> None:
-    """A body the engine would refuse (no messages) is a 400 on the router too."""
+def test_untokenizable_prompt_is_a_bad_request() -> None:
+    """A prompt the engine would refuse (a token id outside the vocabulary) is a BadRequest here too."""
     model = TokenizerRegistry.load([TokenizerSpec(LLAMA, SHIPPED_TOKENIZER)]).get(LLAMA)
     assert model is not None
-    with pytest.raises(BadRequest, match="'messages' must be a non-empty list"):
-        model.prompt_ids("/v1/chat/completions", {"messages": []})
+    with pytest.raises(BadRequest, match="out of vocabulary"):
+        model.prompt_ids(CompletionPrompt((1, 10**9)))

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from extproc.engines.waiting import sleep_or_wake
+from extproc.tasks import sleep_or_wake
 
 
 async def test_returns_when_woken() -> None:

@@ -10,7 +10,7 @@ from extproc.catalog.discovered import DiscoveredModel, EndpointModels, apply_di
 from extproc.catalog.model import Catalog, ObjectProblem
 from extproc.catalog.resources import EndpointSlice, InferenceWorkerSet, Service, parse_object
 from extproc.kvindex.events import Source
-from extproc.server.observed import observe_worker_sets
+from extproc.serve.observed import observe_worker_sets
 from extproc.types import EndpointAddress, ModelName
 
 

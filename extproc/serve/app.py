@@ -12,41 +12,31 @@ import random
 import time
 from typing import Any
 
-import grpc
-from aiohttp import web
-from grpc_health.v1 import health_pb2_grpc
-
 from extproc import __version__
+from extproc.admin import AdminRunner, admin_app, start_admin
 from extproc.catalog.discovered import apply_discovery
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
 from extproc.engines.discovery import ModelDiscovery
 from extproc.engines.scraper import EngineScraper
-from extproc.errors import ConfigError
-from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.policy import CacheThenLoad, LeastInFlight, Policy
+from extproc.scheduling.policy import Policy
 from extproc.scheduling.predictor import PredictedTTFT
 from extproc.scheduling.profiles import ProfileStore, profile_lookup
+from extproc.scheduling.registry import DEFAULT_POLICY, build_policy
 from extproc.scheduling.scheduler import Scheduler
-from extproc.server.admin import admin_app, start_admin
+from extproc.serve.collectors import CatalogCollector, UnknownProfileCollector
+from extproc.serve.observed import observe_worker_sets
+from extproc.serve.prefix_routing import PrefixRouting
 from extproc.server.budget import BodyBudget
-from extproc.server.health import HealthService
-from extproc.server.observed import observe_worker_sets
-from extproc.server.prefix_routing import PrefixRouting
-from extproc.server.service import ExternalProcessorService
+from extproc.server.listener import ExtProcListener
 from extproc.settings import ServeSettings, parse_host_port
 from extproc.sources.file import FileSource, ReloadOutcome
 from extproc.sources.kube import KubeSource
 from extproc.tasks import cancel_and_wait
-from extproc.telemetry import Metrics, UnknownProfileCollector
+from extproc.telemetry import Metrics
 
 log = logging.getLogger(__name__)
-
-#: gRPC message headroom over the body limit (Envoy sends at most one body chunk per message).
-_GRPC_OVERHEAD = 64 * 1024
-#: The per-connection buffer limit of the shipped Envoy configs: the largest body chunk they send.
-_ENVOY_CHUNK_MAX = 32 * 1024 * 1024
 
 
 class Server:
@@ -75,17 +65,17 @@ class Server:
             max_fallbacks=settings.max_fallbacks,
             rng=random.Random(settings.seed),
             prefix=self.prefix.scorer,
-            policy=self._policy(settings.policy),
+            policy=self._policy(settings.policy or DEFAULT_POLICY),
             signals=self.scraper.usable if settings.scrape_interval > 0 else None,
         )
         self.budget = BodyBudget(settings.max_buffered_bytes)
-        self.metrics.watch_state(catalog=lambda: self.store.current, inflight=self.inflight.snapshot)
+        self.metrics.registry.register(CatalogCollector(lambda: self.store.current, self.inflight.snapshot))
         self.metrics.buffered_bytes.set_function(lambda: self.budget.held)
         self.metrics.registry.register(self.prefix.collector())
         self.grpc_port = 0
         self.admin_port = 0
-        self._grpc: grpc.aio.Server | None = None
-        self._admin: web.AppRunner | None = None
+        self._grpc: ExtProcListener | None = None
+        self._admin: AdminRunner | None = None
         self._watch: asyncio.Task[None] | None = None
         self._profile_poll: asyncio.Task[None] | None = None
         self._started = time.time()
@@ -123,14 +113,13 @@ class Server:
         )
 
     def _policy(self, name: str) -> Policy:
-        if name == "least-in-flight":
-            return LeastInFlight()
-        if name == "predicted-ttft":
+        policy = build_policy(name, profile_of=profile_lookup(self.profiles, lambda: self.store.current))
+        if isinstance(policy, PredictedTTFT):
+            # Only a policy that reads profiles can be misled by a worker set naming an unknown one.
             self.metrics.registry.register(
                 UnknownProfileCollector(lambda: self.store.current, lambda p: self.profiles.resolve(p)[1])
             )
-            return PredictedTTFT(profile_lookup(self.profiles, lambda: self.store.current))
-        return CacheThenLoad()
+        return policy
 
     def _republish(self) -> None:
         """Publish the declared catalog with the models endpoints report (Endpoint discovery mode)."""
@@ -160,37 +149,16 @@ class Server:
         )
 
     async def _start_grpc(self) -> None:
-        # Envoy sends a body chunk as large as its buffer limit (32 MiB in the shipped configs) in one
-        # message; refusing it at the gRPC layer would turn into a bare 500 instead of our 413.
-        limit = max(self.settings.max_body_bytes, _ENVOY_CHUNK_MAX) + _GRPC_OVERHEAD
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", limit),
-                # Envoy keeps one HTTP/2 connection with many streams; let it have them.
-                ("grpc.max_concurrent_streams", 10_000),
-                # A second serve on the same port must fail, not silently share the traffic.
-                ("grpc.so_reuseport", 0),
-            ]
+        self._grpc = await ExtProcListener.start(
+            listen=self.settings.listen,
+            router=self.scheduler,
+            metrics=self.metrics,
+            max_body_bytes=self.settings.max_body_bytes,
+            budget=self.budget,
+            decision_headers=self.settings.decision_headers,
+            ready=lambda: self.store.loaded,
         )
-        ep_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessorService(
-                self.scheduler,
-                self.metrics,
-                max_body_bytes=self.settings.max_body_bytes,
-                budget=self.budget,
-                decision_headers=self.settings.decision_headers,
-            ),
-            server,
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(HealthService(lambda: self.store.loaded), server)
-        host, port = parse_host_port(self.settings.listen, what="--listen")
-        try:
-            self.grpc_port = server.add_insecure_port(_join(host, port))
-        except RuntimeError as exc:
-            raise ConfigError(f"--listen {self.settings.listen}: cannot listen there ({exc})") from None
-        await server.start()
-        self._grpc = server
+        self.grpc_port = self._grpc.port
 
     async def _start_admin(self) -> None:
         app = admin_app(
@@ -248,10 +216,6 @@ class Server:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
-
-
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def serve(settings: ServeSettings, *, stop: asyncio.Event) -> None:

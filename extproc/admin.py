@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import orjson
 from aiohttp import web
@@ -20,6 +20,8 @@ from extproc.errors import ConfigError
 from extproc.settings import parse_host_port
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: A started admin server; ``await runner.cleanup()`` stops it.
+AdminRunner: TypeAlias = web.AppRunner
 
 
 def is_loopback(remote: str | None) -> bool:
@@ -90,7 +92,7 @@ def admin_app(
     return app
 
 
-async def start_admin(app: web.Application, listen: str) -> tuple[web.AppRunner, int]:
+async def start_admin(app: web.Application, listen: str) -> tuple[AdminRunner, int]:
     """Serve ``app`` on ``listen`` (the ``--admin-listen`` value); the runner and the bound port."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

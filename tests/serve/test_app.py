@@ -12,9 +12,9 @@ import orjson
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from extproc.admin import is_loopback
 from extproc.errors import ConfigError
-from extproc.server.admin import is_loopback
-from extproc.server.app import Server
+from extproc.serve.app import Server
 from extproc.settings import ServeSettings, SourceSettings
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "catalog.yaml"

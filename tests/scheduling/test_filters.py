@@ -1,0 +1,34 @@
+"""Filters keep the endpoints that may take a request, or say why none can."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.catalog.model import Catalog
+from extproc.errors import NoReadyEndpoint
+from extproc.scheduling.filters import FilterContext, context_window, subset_hint
+from tests.scheduling.candidates import endpoints
+
+
+def _context(subset: frozenset[str] | None) -> FilterContext:
+    return FilterContext(Catalog(), None, subset, None)
+
+
+def test_subset_matches_address_or_ip() -> None:
+    """Subset entries match an endpoint by ip:port or by bare ip."""
+    eps = endpoints(3)
+    kept = subset_hint(_context(frozenset({"127.0.0.1:8000", "127.0.0.3"})), eps)
+    assert list(kept) == [eps[0], eps[2]]
+
+
+def test_no_subset_keeps_everything() -> None:
+    """Without a hint every candidate stays, and so does a request without a prompt."""
+    eps = endpoints(3)
+    assert list(subset_hint(_context(None), eps)) == eps
+    assert list(context_window(_context(None), eps)) == eps
+
+
+def test_subset_matching_nothing_is_503_naming_the_hint() -> None:
+    """A hint that excludes every candidate is refused, naming the subset hint."""
+    with pytest.raises(NoReadyEndpoint, match="subset hint"):
+        subset_hint(_context(frozenset({"127.0.0.1:9999"})), endpoints(3))
