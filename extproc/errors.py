@@ -10,10 +10,10 @@
         +-- BadRequest              400: body is not JSON, ``model`` missing or not a string
         +-- ModelNotFound           404: no worker set serves the model name
         +-- BodyTooLarge            413: body over ``--max-body-bytes``
-        +-- Overloaded              429: shed (reserved; nothing sheds yet)
+        +-- Overloaded              429: shed (every endpoint saturated, or too many bodies held)
         +-- NoReadyEndpoint         503: the model exists but no endpoint can take the request
 
-:func:`extproc.server.responses.error_response` is the one place that turns a RequestError into
+:func:`extproc.server.messages.error_response` is the one place that turns a RequestError into
 an HTTP answer (OpenAI's error shape); anything else reaching the request path is a bug and
 becomes a 500 logged once with the request id.
 """

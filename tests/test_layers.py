@@ -119,6 +119,40 @@ def test_adapters_import_their_library_alone(path: Path) -> None:
     assert not wrong, f"{rel} imports an adapter's library: {wrong}"
 
 
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def test_no_import_cycles() -> None:
+    """Modules import each other one way only (a cycle hidden behind TYPE_CHECKING counts too)."""
+    names = {_module_name(p): p for p in MODULES}
+    graph = {
+        name: sorted({m for _, m in _imports(path) if m in names and m != name})
+        for name, path in names.items()
+    }
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for name in sorted(graph):
+        if name not in state:
+            cycle = visit(name)
+            assert cycle is None, " -> ".join(cycle)
+
+
 def test_a_violation_is_caught(tmp_path: Path) -> None:
     """The walk sees plain, ``from`` and ``TYPE_CHECKING`` imports and maps them to layers."""
     module = tmp_path / "m.py"

@@ -12,8 +12,8 @@ allows), else to the rank with the fewest running + waiting requests.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -22,9 +22,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from extproc import __version__
 from extproc.openai import ChatPrompt, CompletionPrompt, flag
 from extproc.sim import responses
+from extproc.sim.metrics import SimMetrics
+from extproc.sim.ranks import Rank, Run
 from extproc.sim.requests import (
     Generation,
     Limits,
+    ServedModel,
     SimRequestError,
     parse_chat,
     parse_completion,
@@ -32,16 +35,44 @@ from extproc.sim.requests import (
     resolve_model,
 )
 from extproc.sim.responses import ResponseHead, Usage
+from extproc.sim.settings import SimSettings
+from extproc.tokenize import ChatTemplate, Tokenizer
 from extproc.tokenize.prompts import chat_prompt_ids, completion_prompt_ids
 
-if TYPE_CHECKING:
-    from extproc.sim.server import SimServer
+
+class Engine(Protocol):
+    """What the HTTP surface needs of the engine behind it (defined here, by its consumer)."""
+
+    @property
+    def settings(self) -> SimSettings: ...
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+    @property
+    def chat_template(self) -> ChatTemplate: ...
+    @property
+    def models(self) -> Mapping[str, ServedModel]: ...
+    @property
+    def lora_paths(self) -> Mapping[str, str]: ...
+    @property
+    def base_name(self) -> str: ...
+    @property
+    def started_at(self) -> float: ...
+    @property
+    def metrics(self) -> SimMetrics: ...
+
+    def next_request_id(self) -> int: ...
+    def pick_rank(self, header: str | None) -> Rank: ...
+    def submit(self, rank: Rank, gen: Generation, *, request_id: str) -> Run: ...
+    def reset_prefix_cache(self) -> list[int]: ...
+    def control_kv_events(self, body: Mapping[str, Any]) -> None: ...
+    def state(self) -> dict[str, Any]: ...
+
 
 DP_RANK_HEADER = "X-data-parallel-rank"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def build_app(server: SimServer, *, max_body_bytes: int = 64 * 1024 * 1024) -> web.Application:
+def build_app(server: Engine, *, max_body_bytes: int = 64 * 1024 * 1024) -> web.Application:
     api = _Api(server)
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors])
     app.router.add_post("/v1/chat/completions", api.chat)
@@ -79,7 +110,7 @@ async def _body(request: web.Request) -> Any:
 
 
 class _Api:
-    def __init__(self, server: SimServer) -> None:
+    def __init__(self, server: Engine) -> None:
         self.server = server
         self.limits = Limits(
             max_model_len=server.settings.engine.max_model_len,

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 import zmq
 import zmq.asyncio
 
+from extproc.errors import ConfigError
 from extproc.sim.kv_events import KVEvent
 from extproc.sim.kv_wire import EventEncoding, HashFormat, encode_batch
 
@@ -45,7 +46,12 @@ _REBIND_INTERVAL = 0.005
 
 @dataclass(frozen=True, slots=True)
 class PublisherFaults:
-    """Faults injected into the PUB stream; change them at runtime with ``set_faults``."""
+    """Faults injected into the PUB stream, so a subscriber's repair paths can be exercised.
+
+    Set at start (``extproc sim --kv-drop-probability / --kv-delay-ms``), changed at runtime with
+    ``set_faults`` (``POST /sim/kv_events``). A dropped batch stays in the replay buffer, its
+    sequence number consumed.
+    """
 
     #: Probability (0-1) that a batch is dropped; drawn from the publisher's seeded RNG only when > 0.
     drop_probability: float = 0.0
@@ -55,12 +61,15 @@ class PublisherFaults:
     delay_seconds: float = 0.0
 
     def __post_init__(self) -> None:
+        # The messages name the sim's flags too: ``extproc sim`` builds this from them.
         if not 0.0 <= self.drop_probability <= 1.0:
-            raise ValueError(f"drop_probability must be in 0-1, got {self.drop_probability}")
+            raise ConfigError(
+                f"--kv-drop-probability (drop_probability) must be in 0-1, got {self.drop_probability}"
+            )
         if self.drop_next < 0:
-            raise ValueError(f"drop_next must be 0 or more, got {self.drop_next}")
+            raise ConfigError(f"drop_next must be 0 or more, got {self.drop_next}")
         if self.delay_seconds < 0:
-            raise ValueError(f"delay_seconds must be 0 or more, got {self.delay_seconds}")
+            raise ConfigError(f"--kv-delay-ms must be 0 or more, got {self.delay_seconds * 1000:g}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,10 +16,10 @@ from typing import Any
 from extproc.errors import ConfigError
 from extproc.sim.engine_core import EngineParams
 from extproc.sim.fleet import SimFleet
+from extproc.sim.kv_publisher import PublisherFaults
 from extproc.sim.kv_wire import EventEncoding, HashFormat
 from extproc.sim.settings import (
     KVEventSettings,
-    KVFaults,
     LoraModule,
     SimSettings,
 )
@@ -178,7 +178,7 @@ def sim_settings(args: argparse.Namespace) -> SimSettings:
         cpu_offload_blocks=args.cpu_offload_blocks,
         cpu_load_tokens_per_s=args.cpu_load_tokens_per_s,
     )
-    faults = KVFaults(drop_probability=args.kv_drop_probability, delay_seconds=args.kv_delay_ms / 1000)
+    faults = PublisherFaults(drop_probability=args.kv_drop_probability, delay_seconds=args.kv_delay_ms / 1000)
     kv: KVEventSettings | None = None
     if args.kv_events_port is not None:
         kv = KVEventSettings(

@@ -13,27 +13,12 @@ from pathlib import Path
 from extproc.errors import ConfigError
 from extproc.settings import parse_host_port
 from extproc.sim.engine_core import EngineParams
+from extproc.sim.kv_publisher import PublisherFaults
 from extproc.sim.kv_wire import EventEncoding, HashFormat
 
 #: vLLM's ``KVEventsConfig`` defaults (identical from 0.9.0 to 0.33.0).
 DEFAULT_BUFFER_STEPS = 10_000
 DEFAULT_HWM = 100_000
-
-
-@dataclass(frozen=True, slots=True)
-class KVFaults:
-    """Faults injected into the event stream, so a subscriber's repair paths can be exercised."""
-
-    #: Probability that a batch is not sent on PUB (it stays in the replay buffer, seq consumed).
-    drop_probability: float = 0.0
-    #: Seconds each batch is held before it is sent (order is kept).
-    delay_seconds: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.drop_probability <= 1.0:
-            raise ConfigError(f"--kv-drop-probability must be in 0-1, got {self.drop_probability}")
-        if self.delay_seconds < 0:
-            raise ConfigError(f"--kv-delay-ms must be 0 or more, got {self.delay_seconds * 1000:g}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +36,7 @@ class KVEventSettings:
     replay_topic_frame: bool = True
     #: Batches kept for replay (vLLM's ``buffer_steps``).
     buffer_steps: int = DEFAULT_BUFFER_STEPS
-    faults: KVFaults = field(default_factory=KVFaults)
+    faults: PublisherFaults = field(default_factory=PublisherFaults)
 
     def __post_init__(self) -> None:
         for flag, port in (("--kv-events-port", self.port), ("--kv-replay-port", self.replay_port)):

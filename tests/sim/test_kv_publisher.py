@@ -12,6 +12,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from extproc.errors import ConfigError
 from extproc.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from extproc.sim.kv_publisher import END_SEQ, KVEventPublisher, PublisherFaults
 from extproc.sim.kv_wire import encode_batch
@@ -309,8 +310,8 @@ async def test_subscriber_reconstructs_what_was_published(
     ids=["probability-above-1", "negative-probability", "negative-drop-next", "negative-delay"],
 )
 def test_invalid_faults_are_rejected(kwargs: dict[str, Any]) -> None:
-    """Fault settings outside their range raise ValueError."""
-    with pytest.raises(ValueError, match="must be"):
+    """Fault settings outside their range are configuration errors naming the setting."""
+    with pytest.raises(ConfigError, match="must be"):
         PublisherFaults(**kwargs)
 
 

@@ -29,7 +29,10 @@ from extproc.sim.settings import KVEventSettings, SimSettings
         (["--chat-template", "/no/such/template.jinja"], "neither a file nor a shipped template"),
         (["--kv-events-port", "5557", "--kv-replay-port", "5558", "--data-parallel-size", "2"], "overlap"),
         (["--replicas", "2", "--listen", "127.0.0.1:9000", "--kv-events-port", "9001"], "overlap"),
-        (["--kv-events-port", "0", "--kv-drop-probability", "2"], "--kv-drop-probability must be in 0-1"),
+        (
+            ["--kv-events-port", "0", "--kv-drop-probability", "2"],
+            "--kv-drop-probability (drop_probability) must be in 0-1",
+        ),
         (["--kv-delay-ms", "5"], "--kv-delay-ms needs --kv-events-port"),
         (["--num-gpu-blocks-override", "0"], "num_gpu_blocks"),
         (["--cpu-offload-blocks", "-1"], "cpu_offload_blocks must be an integer >= 0"),
