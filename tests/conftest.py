@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from ports import free_port
+from simulated import StartSim, simulated_engines
 
 from extproc.demo.backends import Backend
 from extproc.gateway.config import BodyMode, HeaderSendMode, load_config, render_config, shipped_config
@@ -127,3 +128,10 @@ async def envoy_gateway(tmp_path: Path) -> AsyncIterator[StartGateway]:
     finally:
         for envoy in running:
             await envoy.stop()
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[StartSim]:
+    """Factory of simulated engines (see :func:`simulated.simulated_engines`), stopped at teardown."""
+    async for start in simulated_engines():
+        yield start

@@ -26,9 +26,7 @@ import aiohttp
 
 from extproc.catalog.discovered import DiscoveredModel, EndpointModels
 from extproc.catalog.model import Catalog
-from extproc.fetch import fetch_bounded
-from extproc.tasks import cancel_and_wait, sleep_or_wake
-from extproc.telemetry import LogLimiter
+from extproc.engines.poller import EndpointPoller
 from extproc.types import EndpointAddress, ModelName
 
 __all__ = [
@@ -58,10 +56,6 @@ FAILURE_RETRY = 5.0
 #: How often (seconds) the declared catalog is looked at for new or departed endpoints without a
 #: :meth:`ModelDiscovery.refresh`.
 FOLLOW_INTERVAL = 1.0
-#: At most one warning per endpoint and kind of failure per this many seconds.
-LOG_INTERVAL = 60.0
-#: Polls in flight at once, so hundreds of pods do not open hundreds of sockets together.
-MAX_CONCURRENCY = 64
 #: The CRD's default ``modelDiscovery.interval``, used if a set's interval cannot be read.
 DEFAULT_INTERVAL = 30.0
 
@@ -188,7 +182,7 @@ class _State:
     failures: int = 0
 
 
-class ModelDiscovery:
+class ModelDiscovery(EndpointPoller):
     """Learns what the endpoints of Endpoint-mode sets serve; see the module docstring.
 
     ``declared()`` gives the catalog to follow (the source's, or the store's: only sets, modes,
@@ -209,42 +203,21 @@ class ModelDiscovery:
         max_response_bytes: int = MAX_RESPONSE_BYTES,
         follow_interval: float = FOLLOW_INTERVAL,
     ) -> None:
-        if not timeout > 0 or not follow_interval > 0:
-            raise ValueError(
-                f"timeout and follow_interval must be positive, got {timeout}, {follow_interval}"
-            )
+        if not follow_interval > 0:
+            raise ValueError(f"follow_interval must be positive, got {follow_interval}")
+        super().__init__(what="model discovery", timeout=timeout, clock=clock, session=session)
         self._declared = declared
         self._on_change = on_change
-        self._session = session
-        self._own_session = session is None
-        self._clock = clock
-        self.timeout = timeout
         self._max_bytes = max_response_bytes
         self._follow_interval = follow_interval
         self._states: dict[EndpointAddress, _State] = {}
-        self._log_limiter: LogLimiter[EndpointAddress] = LogLimiter(self._clock, LOG_INTERVAL)
-        self._semaphore = asyncio.Semaphore(MAX_CONCURRENCY)
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self.rounds = 0
         #: Times ``on_change`` was called.
         self.changes = 0
 
-    def start(self) -> None:
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
-        self._task = asyncio.create_task(self._run(), name="model-discovery")
-
     def refresh(self) -> None:
         """Look at ``declared()`` now (e.g. after a source published): new endpoints are asked at once."""
-        self._wake.set()
-
-    async def close(self) -> None:
-        await cancel_and_wait(self._task)
-        self._task = None
-        if self._own_session and self._session is not None:
-            await self._session.close()
-            self._session = None
+        self.wake()
 
     def results(self) -> Mapping[EndpointAddress, EndpointModels]:
         """The last good answer of every followed endpoint that has answered (a fresh dict)."""
@@ -297,7 +270,7 @@ class ModelDiscovery:
         changed = False
         for address in set(self._states) - set(targets):
             changed |= self._states.pop(address).result is not None
-            self._log_limiter.forget(address)
+            self.forget(address)
         for address, target in targets.items():
             state = self._states.get(address)
             if state is None or state.url != target.url:
@@ -308,36 +281,25 @@ class ModelDiscovery:
                 state.due = min(state.due, now + target.interval)
         return changed
 
-    async def _run(self) -> None:
-        while True:
-            self._wake.clear()
-            try:
-                await self.poll()
-            except Exception:
-                # A bug here (or in declared()) must not stop later rounds.
-                log.exception("model discovery round failed")
-            delay = self._follow_interval
-            if self._states:
-                delay = min(delay, min(s.due for s in self._states.values()) - self._clock())
-            await sleep_or_wake(self._wake, max(delay, 0.01))
+    async def round(self) -> None:
+        await self.poll()
+
+    def delay(self, elapsed: float) -> float:
+        delay = self._follow_interval
+        if self._states:
+            delay = min(delay, min(s.due for s in self._states.values()) - self._clock())
+        return max(delay, 0.01)
 
     async def _poll_one(self, address: EndpointAddress, url: str) -> bool:
         """Ask one endpoint; True if what it serves changed. Never raises."""
-        try:
-            async with self._semaphore:  # the timeout starts once it is our turn
-                async with asyncio.timeout(self.timeout):
-                    body = await self._fetch(url)
-            result: EndpointModels | None = parse_models(body, max_bytes=self._max_bytes)
-            error = None
-        except TimeoutError:
-            result, error = None, f"no answer within {self.timeout:g}s"
-        except aiohttp.ClientError as exc:
-            result, error = None, f"{type(exc).__name__}: {exc}"
-        except DiscoveryError as exc:
-            result, error = None, str(exc)
-        except Exception as exc:  # never let one endpoint end the round
-            result, error = None, f"unexpected {type(exc).__name__}: {exc}"
-            log.exception("model discovery failed endpoint=%s", address)
+        result, error = await self.get(
+            address,
+            url,
+            accept="application/json",
+            max_bytes=self._max_bytes,
+            parse=lambda body: parse_models(body, max_bytes=self._max_bytes),
+            error=DiscoveryError,
+        )
         now = self._clock()
         state = self._states.get(address)
         if state is None or state.url != url:
@@ -348,7 +310,7 @@ class ModelDiscovery:
             state.failures += 1
             state.error, state.error_at = error, now
             state.due = now + min(state.interval, FAILURE_RETRY)
-            self._log_sometimes(address, error.split(":", 1)[0], error)
+            self.warn_sometimes(address, error)
             return False
         if state.error is not None:
             log.info("model discovery recovered endpoint=%s", address)
@@ -359,12 +321,6 @@ class ModelDiscovery:
         state.due = now + state.interval
         return changed
 
-    async def _fetch(self, url: str) -> bytes:
-        assert self._session is not None, "start() first"
-        return await fetch_bounded(
-            self._session, url, accept="application/json", max_bytes=self._max_bytes, error=DiscoveryError
-        )
-
     def _notify(self) -> None:
         self.changes += 1
         try:
@@ -372,7 +328,3 @@ class ModelDiscovery:
         except Exception:
             # The catalog owner's bug must not stop discovery; the next change calls it again.
             log.exception("model discovery on_change failed")
-
-    def _log_sometimes(self, address: EndpointAddress, kind: str, error: str) -> None:
-        if self._log_limiter.allow(address, kind):
-            log.warning("model discovery failed endpoint=%s error=%s", address, error)

@@ -27,9 +27,9 @@ import aiohttp
 
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
+from extproc.engines.poller import EndpointPoller
 from extproc.errors import BadRequest
 from extproc.openai import ChatPrompt, CompletionPrompt
-from extproc.tasks import cancel_and_wait, sleep_or_wake
 from extproc.tokenize.registry import TokenizerRegistry
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def compare(ours: Sequence[int], theirs: Sequence[int]) -> tuple[Verdict, str]:
     )
 
 
-class ParityChecker:
+class ParityChecker(EndpointPoller):
     """Probes every (model with a tokenizer, worker set serving it) and keeps the verdicts."""
 
     def __init__(
@@ -85,14 +85,11 @@ class ParityChecker:
         timeout: float = 5.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        super().__init__(what="tokenizer parity check", timeout=timeout, clock=clock)
         self._store = store
         self._tokenizers = tokenizers
         self._interval = interval
-        self._timeout = timeout
-        self._clock = clock
-        self._changed = asyncio.Event()
-        self._unsubscribe = store.subscribe(lambda _catalog: self._changed.set())
-        self._task: asyncio.Task[None] | None = None
+        self._unsubscribe = store.subscribe(lambda _catalog: self.wake())
         #: (model, worker set) -> latest result.
         self.results: dict[tuple[str, str], ParityResult] = {}
 
@@ -101,26 +98,19 @@ class ParityChecker:
         return frozenset(model for (model, _), r in self.results.items() if r.verdict == "mismatch")
 
     def start(self) -> None:
-        if not self._tokenizers.models():
-            return
-        self._changed.set()
-        self._task = asyncio.create_task(self._run(), name="tokenizer-parity")
+        if self._tokenizers.models():
+            super().start()
 
     async def close(self) -> None:
         self._unsubscribe()
-        await cancel_and_wait(self._task)
-        self._task = None
+        await super().close()
 
-    async def _run(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=self._timeout)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            while True:
-                await sleep_or_wake(self._changed, self._interval)
-                self._changed.clear()
-                try:
-                    await self.check(session, self._store.current)
-                except Exception:
-                    log.exception("tokenizer parity check failed")
+    async def round(self) -> None:
+        assert self.session is not None
+        await self.check(self.session, self._store.current)
+
+    def delay(self, elapsed: float) -> float:
+        return self._interval
 
     async def check(self, session: aiohttp.ClientSession, catalog: Catalog) -> None:
         """Probe one ready endpoint per (model, worker set); forget pairs that left the catalog."""
@@ -145,7 +135,11 @@ class ParityChecker:
                 )
             if ours is None:
                 continue
-            theirs = await _engine_tokens(session, address, model, probe)
+            try:
+                async with asyncio.timeout(self.timeout):
+                    theirs = await _engine_tokens(session, address, model, probe)
+            except TimeoutError:
+                theirs = f"POST /tokenize: no answer within {self.timeout:g}s"
             if isinstance(theirs, str):
                 return self._result("unknown", address, theirs)
             kind, detail = compare(ours, theirs)

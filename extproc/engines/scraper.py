@@ -20,11 +20,9 @@ import aiohttp
 
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
+from extproc.engines.poller import EndpointPoller
 from extproc.engines.signals import MetricsParseError, parse_signals
-from extproc.fetch import fetch_bounded
 from extproc.scheduling.signals import EngineSignals
-from extproc.tasks import cancel_and_wait
-from extproc.telemetry import LogLimiter
 from extproc.types import EndpointAddress
 
 log = logging.getLogger(__name__)
@@ -33,14 +31,10 @@ log = logging.getLogger(__name__)
 MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 #: Signals older than this many scrape intervals are stale.
 STALE_INTERVALS = 3.0
-#: At most one warning per endpoint and kind of failure per this many seconds.
-LOG_INTERVAL = 60.0
-#: Scrapes in flight at once, so a catalog of hundreds of pods does not open hundreds of sockets.
-MAX_CONCURRENCY = 64
 
 
 class ScrapeError(Exception):
-    """A scrape that returned no usable page (HTTP status, size, content)."""
+    """A scrape that returned no usable page (HTTP status, size)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +86,7 @@ def metrics_urls(catalog: Catalog) -> dict[EndpointAddress, str]:
     return urls
 
 
-class EngineScraper:
+class EngineScraper(EndpointPoller):
     """Scrapes the catalog's endpoints every ``interval`` seconds (each attempt bounded by ``timeout``).
 
     ``session`` is borrowed if given (not closed), else one is made in :meth:`start` and closed in
@@ -109,35 +103,20 @@ class EngineScraper:
         clock: Callable[[], float] = time.monotonic,
         max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
-        if not interval > 0 or not timeout > 0:
-            raise ValueError(f"interval and timeout must be positive, got {interval} and {timeout}")
+        if not interval > 0:
+            raise ValueError(f"interval must be positive, got {interval}")
+        super().__init__(what="engine metrics scrape", timeout=timeout, clock=clock, session=session)
         self._store = store
         self.interval = interval
-        self.timeout = timeout
-        self._session = session
-        self._own_session = session is None
-        self._clock = clock
         self._max_bytes = max_response_bytes
         self._states: dict[EndpointAddress, _State] = {}
-        self._log_limiter: LogLimiter[EndpointAddress] = LogLimiter(self._clock, LOG_INTERVAL)
-        self._task: asyncio.Task[None] | None = None
-        self._semaphore = asyncio.Semaphore(MAX_CONCURRENCY)
         self.rounds = 0
         self._unsubscribe = store.subscribe(self._follow)
         self._follow(store.current)
 
-    def start(self) -> None:
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
-        self._task = asyncio.create_task(self._run(), name="engine-scraper")
-
     async def close(self) -> None:
         self._unsubscribe()
-        await cancel_and_wait(self._task)
-        self._task = None
-        if self._own_session and self._session is not None:
-            await self._session.close()
-            self._session = None
+        await super().close()
 
     def usable(self, address: EndpointAddress) -> EngineSignals | None:
         """One endpoint's signals if fresh, else None: the scheduler's per-candidate read (no copies)."""
@@ -192,22 +171,17 @@ class EngineScraper:
         urls = metrics_urls(catalog)
         for address in set(self._states) - set(urls):
             del self._states[address]
-            self._log_limiter.forget(address)
+            self.forget(address)
         for address, url in urls.items():
             state = self._states.get(address)
             if state is None or state.url != url:
                 self._states[address] = _State(url)
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
-            try:
-                await self.scrape_all()
-            except Exception:
-                # A bug here must not stop later rounds.
-                log.exception("engine scrape round failed")
-            await asyncio.sleep(max(0.0, started + self.interval - loop.time()))
+    async def round(self) -> None:
+        await self.scrape_all()
+
+    def delay(self, elapsed: float) -> float:
+        return self.interval - elapsed
 
     async def scrape_all(self) -> None:
         """One round: every current endpoint, concurrently; returns when all have answered or failed."""
@@ -216,21 +190,15 @@ class EngineScraper:
         self.rounds += 1
 
     async def _scrape_one(self, address: EndpointAddress, url: str) -> None:
-        try:
-            async with self._semaphore:  # the timeout starts once it is our turn
-                async with asyncio.timeout(self.timeout):
-                    body = await self._fetch(url)
-            signals: EngineSignals | None = parse_signals(body)
-            error = None
-        except TimeoutError:
-            signals, error = None, f"no answer within {self.timeout:g}s"
-        except aiohttp.ClientError as exc:
-            signals, error = None, f"{type(exc).__name__}: {exc}"
-        except (ScrapeError, MetricsParseError) as exc:
-            signals, error = None, str(exc)
-        except Exception as exc:  # never let one endpoint end the round
-            signals, error = None, f"unexpected {type(exc).__name__}: {exc}"
-            log.exception("engine scrape failed endpoint=%s", address)
+        signals, error = await self.get(
+            address,
+            url,
+            accept="text/plain",
+            max_bytes=self._max_bytes,
+            parse=parse_signals,
+            error=ScrapeError,
+            parse_errors=(MetricsParseError,),
+        )
         now = self._clock()
         state = self._states.get(address)
         if state is None or state.url != url:
@@ -243,14 +211,4 @@ class EngineScraper:
             return
         state.failures += 1
         state.error, state.error_at = error, now
-        self._log_sometimes(address, error.split(":", 1)[0], error)
-
-    async def _fetch(self, url: str) -> bytes:
-        assert self._session is not None, "start() first"
-        return await fetch_bounded(
-            self._session, url, accept="text/plain", max_bytes=self._max_bytes, error=ScrapeError
-        )
-
-    def _log_sometimes(self, address: EndpointAddress, kind: str, error: str) -> None:
-        if self._log_limiter.allow(address, kind):
-            log.warning("engine metrics scrape failed endpoint=%s error=%s", address, error)
+        self.warn_sometimes(address, error)

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from simulated import StartSim
+from waiting import eventually
 
 from extproc.catalog.discovered import apply_discovery
 from extproc.catalog.model import Catalog
@@ -23,13 +25,11 @@ from extproc.engines.discovery import (
     parse_interval,
     parse_models,
 )
-from extproc.sim.engine_core import EngineParams
 from extproc.sim.server import SimServer
 from extproc.sim.settings import LoraModule, SimSettings
 from extproc.types import EndpointAddress, ModelName
 
 from .test_parity import catalog_of
-from .test_scraper import wait_for
 
 BASE = "meta-llama/Meta-Llama-3-8B-Instruct"
 WINDOW = 512
@@ -173,30 +173,21 @@ def test_only_endpoint_mode_sets_are_polled_at_their_interval() -> None:
 
 # -- the poller against simulated engines ---------------------------------------------------------
 
-StartSim = Callable[..., Awaitable[SimServer]]
-
 
 @pytest.fixture
-async def sim() -> AsyncIterator[StartSim]:
-    started: list[SimServer] = []
+def sim(sim: StartSim) -> Callable[..., Awaitable[SimServer]]:
+    """The shared factory: an engine of BASE serving ``names`` and the LoRA adapters ``loras``."""
 
     async def start(*names: str, loras: tuple[str, ...] = ()) -> SimServer:
-        server = SimServer(
-            SimSettings(
-                listen="127.0.0.1:0",
-                model=BASE,
-                served_model_names=names,
-                lora_modules=tuple(LoraModule(n, f"/adapters/{n}") for n in loras),
-                engine=EngineParams(num_gpu_blocks=64, max_model_len=WINDOW, max_num_batched_tokens=WINDOW),
-            )
+        return await sim(
+            model=BASE,
+            served_model_names=names,
+            lora_modules=tuple(LoraModule(n, f"/adapters/{n}") for n in loras),
+            engine={"max_model_len": WINDOW, "max_num_batched_tokens": WINDOW},
+            time_scale=1.0,
         )
-        await server.start()
-        started.append(server)
-        return server
 
-    yield start
-    for server in started:
-        await server.stop()
+    return start
 
 
 class Harness:
@@ -252,7 +243,7 @@ async def test_discovery_learns_names_adapters_and_windows(sim: StartSim, harnes
     one = await sim("llama-3", "llama", loras=("sql",))
     two = await sim("llama-3")
     harness.declare(one.address, two.address, spec={"llama-3": ["chat"]})
-    await wait_for(lambda: len(harness.discovery.results()) == 2)
+    await eventually(lambda: len(harness.discovery.results()) == 2)
     catalog = harness.catalog
     assert sorted(catalog.routes) == ["chat", "llama", "llama-3", "sql"]
     assert routed(catalog, "sql") == [one.address]
@@ -271,10 +262,10 @@ async def test_on_change_fires_once_per_change(sim: StartSim, harness: Harness) 
     """Polls that learn nothing new do not make the catalog owner rebuild."""
     server = await sim("llama-3")
     harness.declare(server.address)
-    await wait_for(lambda: harness.changes == 1)
+    await eventually(lambda: harness.changes == 1)
     rounds = harness.discovery.rounds
     polls = harness.endpoint(server.address)["polls"]
-    await wait_for(lambda: harness.endpoint(server.address)["polls"] >= polls + 3)
+    await eventually(lambda: harness.endpoint(server.address)["polls"] >= polls + 3)
     assert harness.discovery.rounds > rounds and harness.changes == 1
     assert await harness.discovery.poll(everyone=True) is False and harness.changes == 1
 
@@ -286,9 +277,9 @@ async def test_a_new_endpoint_is_asked_at_once(sim: StartSim) -> None:
     try:
         first, second = await sim("llama-3"), await sim("llama-3", loras=("sql",))
         made.declare(first.address)
-        await wait_for(lambda: made.changes == 1)
+        await eventually(lambda: made.changes == 1)
         made.declare(first.address, second.address)
-        await wait_for(lambda: made.changes == 2)
+        await eventually(lambda: made.changes == 2)
         assert routed(made.catalog, "sql") == [second.address]
         assert made.endpoint(first.address)["polls"] == 1
     finally:
@@ -299,9 +290,9 @@ async def test_an_endpoint_that_stops_answering_keeps_what_it_served(sim: StartS
     """A failing poll records why but changes nothing: the engine may be busy or restarting."""
     server = await sim("llama-3", loras=("sql",))
     harness.declare(server.address)
-    await wait_for(lambda: harness.changes == 1)
+    await eventually(lambda: harness.changes == 1)
     await server.stop()
-    await wait_for(lambda: harness.endpoint(server.address)["error"] is not None)
+    await eventually(lambda: harness.endpoint(server.address)["error"] is not None)
     state = harness.endpoint(server.address)
     assert "Connect" in state["error"] and state["failures"] >= 1
     assert [m["name"] for m in state["models"]] == ["llama-3", "sql"]
@@ -312,10 +303,10 @@ async def test_a_departed_endpoint_is_forgotten(sim: StartSim, harness: Harness)
     """An endpoint that leaves the declared catalog is dropped from the results, and that is a change."""
     stays, leaves = await sim("llama-3"), await sim("llama-3", loras=("sql",))
     harness.declare(stays.address, leaves.address)
-    await wait_for(lambda: len(harness.discovery.results()) == 2)
+    await eventually(lambda: len(harness.discovery.results()) == 2)
     changes = harness.changes
     harness.declare(stays.address)
-    await wait_for(lambda: EndpointAddress(leaves.address) not in harness.discovery.results())
+    await eventually(lambda: EndpointAddress(leaves.address) not in harness.discovery.results())
     assert leaves.address not in harness.discovery.debug_state()["endpoints"]
     assert harness.changes == changes + 1
     assert "sql" not in harness.catalog.routes and routed(harness.catalog, "llama-3") == [stays.address]
@@ -325,7 +316,7 @@ async def test_a_changed_model_list_is_a_change(sim: StartSim, harness: Harness)
     """An engine restarted with another adapter on the same address is re-learned."""
     server = await sim("llama-3")
     harness.declare(server.address)
-    await wait_for(lambda: harness.changes == 1)
+    await eventually(lambda: harness.changes == 1)
     address = server.address
     await server.stop()
     replacement = SimServer(
@@ -338,7 +329,7 @@ async def test_a_changed_model_list_is_a_change(sim: StartSim, harness: Harness)
     )
     await replacement.start()
     try:
-        await wait_for(lambda: harness.changes == 2)
+        await eventually(lambda: harness.changes == 2)
         assert routed(harness.catalog, "sql") == [address] and harness.endpoint(address)["error"] is None
     finally:
         await replacement.stop()

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import aiohttp
 import pytest
+from simulated import StartSim
 
 from extproc.catalog.build import build_catalog
 from extproc.catalog.model import Catalog
@@ -16,7 +15,6 @@ from extproc.demo.catalog import LocalWorkerSet, catalog_documents
 from extproc.engines.parity import ParityChecker, compare, probe_targets
 from extproc.settings import TokenizerSpec
 from extproc.sim.server import SimServer
-from extproc.sim.settings import SimSettings
 from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerRegistry
 
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
@@ -50,11 +48,8 @@ def test_compare_names_the_first_difference(
 
 
 @pytest.fixture
-async def engine() -> AsyncIterator[SimServer]:
-    async with SimServer(
-        SimSettings(listen="127.0.0.1:0", served_model_names=(MODEL,), chat_template="llama3")
-    ) as sim:
-        yield sim
+async def engine(sim: StartSim) -> SimServer:
+    return await sim(served_model_names=(MODEL,), chat_template="llama3")
 
 
 def store_for(address: str) -> CatalogStore:

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+import functools
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
+from simulated import StartSim
+from waiting import eventually
 
 from extproc.catalog.model import Catalog, Endpoint, ServedModel, WorkerSet
 from extproc.catalog.store import CatalogStore
 from extproc.demo.catalog import LocalWorkerSet
 from extproc.engines.scraper import EndpointSignals, EngineScraper, metrics_urls
-from extproc.sim.engine_core import EngineParams
-from extproc.sim.server import SimServer
-from extproc.sim.settings import SimSettings
 from extproc.types import EndpointAddress, ModelName, WorkerSetKey
 
 from .test_parity import catalog_of
@@ -24,34 +24,11 @@ from .test_parity import catalog_of
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 INTERVAL = 0.05
 
-SMALL_ENGINE = EngineParams(num_gpu_blocks=64, max_model_len=512, max_num_batched_tokens=512)
-
-StartSim = Callable[..., Awaitable[SimServer]]
-
-
-async def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:  # noqa: ASYNC109
-    """Poll ``condition`` until true; fail with a TimeoutError after ``timeout`` seconds."""
-    async with asyncio.timeout(timeout):
-        while not condition():  # noqa: ASYNC110 - polls state owned by other tasks
-            await asyncio.sleep(0.005)
-
 
 @pytest.fixture
-async def sim() -> AsyncIterator[StartSim]:
-    started: list[SimServer] = []
-
-    async def start(**fields: Any) -> SimServer:
-        fields.setdefault("time_scale", 0.01)
-        server = SimServer(
-            SimSettings(listen="127.0.0.1:0", engine=SMALL_ENGINE, served_model_names=(MODEL,), **fields)
-        )
-        await server.start()
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        await server.stop()
+def sim(sim: StartSim) -> StartSim:
+    """The shared factory, engines serving MODEL."""
+    return functools.partial(sim, served_model_names=(MODEL,))
 
 
 def publish(store: CatalogStore, *addresses: str) -> None:
@@ -78,7 +55,7 @@ async def until(
         found = entry(scraper, address)
         return found is not None and test(found)
 
-    await wait_for(ok, timeout=5.0)
+    await eventually(ok, within=5.0)
     found = entry(scraper, address)
     assert found is not None
     return found
@@ -146,7 +123,7 @@ async def test_an_endpoint_removed_from_the_catalog_disappears(
     publish(store, one.address)
     assert set(scraper_.snapshot()) == {one.address}  # at once, not at the next round
     rounds = scraper_.rounds
-    await wait_for(lambda: scraper_.rounds >= rounds + 2)
+    await eventually(lambda: scraper_.rounds >= rounds + 2)
     assert set(scraper_.snapshot()) == {one.address}
 
 
@@ -206,7 +183,7 @@ async def test_misbehaving_endpoints_are_errors_not_crashes(
         assert found.stale and found.signals is None and found.usable is None
         assert found.error is not None and reason in found.error
         rounds = scraper.rounds
-        await wait_for(lambda: scraper.rounds > rounds)  # the task lives on
+        await eventually(lambda: scraper.rounds > rounds)  # the task lives on
     finally:
         await scraper.close()
 

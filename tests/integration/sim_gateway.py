@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 from ports import free_port
+from waiting import eventually
 
 from extproc.demo.catalog import LocalWorkerSet, catalog_yaml, kv_ports_of
 from extproc.kvindex.events import Source
@@ -89,16 +90,6 @@ def router_settings(catalog: Path, *, chat_template: str = "llama3", seed: int =
         drain_seconds=0.5,
         prefix=PrefixSettings(tokenizers=(TokenizerSpec(LLAMA, SHIPPED_TOKENIZER, chat_template),)),
     )
-
-
-async def eventually(check: Callable[[], bool], *, within: float = 5.0, what: str = "condition") -> None:
-    """Poll ``check`` (state owned by other tasks or processes) until true; fail after ``within`` s."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while not check():
-        if loop.time() > deadline:
-            raise AssertionError(f"{what}: not met within {within} s")
-        await asyncio.sleep(0.01)
 
 
 def sources(server: Server) -> dict[str, Any]:

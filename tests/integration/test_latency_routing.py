@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from waiting import eventually
 
 from extproc.serve.app import Server
 from extproc.sim.server import SimServer
@@ -23,7 +24,6 @@ from .sim_gateway import (
     LLAMA,
     delta,
     engine_settings,
-    eventually,
     finished,
     router_settings,
     worker_set,

@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from waiting import eventually
 
 from extproc.errors import BadRequest
 from extproc.openai import read_request
@@ -14,7 +15,7 @@ from extproc.serve.app import Server
 from extproc.sim.server import SimServer
 from extproc.sim.settings import LoraModule
 
-from .sim_gateway import LLAMA, engine_settings, eventually, router_settings, worker_set, write_catalog
+from .sim_gateway import LLAMA, engine_settings, router_settings, worker_set, write_catalog
 
 
 async def test_endpoint_mode_routes_discovered_names_adapters_and_aliases(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from waiting import eventually
 
 from extproc.kvindex.events import Source
 from extproc.serve.app import Server
@@ -32,7 +33,6 @@ from .sim_gateway import (
     common_prefix,
     delta,
     engine_settings,
-    eventually,
     finished,
     indexed_blocks,
     long_text,

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import io
 import json
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
+from waiting import eventually
 
 from extproc.demo.backends import Backend
 
@@ -40,15 +39,6 @@ def slow_stream(session: aiohttp.ClientSession, url: str, model: str, *, chunks:
     """A streamed completion the fake pod drips out at 20 chunks/s, to hold a request open."""
     headers = {"x-backend-chunks": str(chunks), "x-backend-chunk-delay": "0.05"}
     return session.post(url + CHAT, json=chat(model, stream=True), headers=headers)
-
-
-async def eventually(check: Callable[[], bool], *, within: float = 5.0) -> None:
-    """Wait for state another process changes; fail with a clear message after ``within``."""
-    deadline = asyncio.get_running_loop().time() + within
-    while not check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met within {within}s")
-        await asyncio.sleep(0.02)
 
 
 @MODES

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+from waiting import eventually
 
 from extproc.kube.reflector import Reflector, ReflectorOptions
 from extproc.kube.resources import SERVICES, ResourceType
@@ -43,16 +44,6 @@ def kubectl_objects(
     """What ``kubectl get -o json`` shows, keyed like ``Reflector.objects``."""
     listed = json.loads(kube_env.kubectl("get", plural, "-n", namespace, "-o", "json").stdout)
     return {(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in listed["items"]}
-
-
-async def wait_until(condition: Callable[[], bool], what: str) -> None:
-    """Poll state that other tasks own until ``condition`` holds; fail naming ``what`` after TIMEOUT."""
-    try:
-        async with asyncio.timeout(TIMEOUT):
-            while not condition():  # noqa: ASYNC110 - polls state owned by other tasks
-                await asyncio.sleep(0.05)
-    except TimeoutError:
-        raise AssertionError(f"timed out waiting for: {what}") from None
 
 
 def kube_threads() -> list[str]:
@@ -86,14 +77,14 @@ async def test_mirrors_objects_exactly_as_kubectl_shows_them(kube_env: KubeEnv, 
     apply(kube_env, *(service(f"svc-{i}", namespace, 8000 + i) for i in range(5)))
     options = ReflectorOptions(page_size=2)
     async with running(reflector_for(kube_env, [namespace], options=options)) as reflector:
-        await wait_until(lambda: reflector.synced, "initial list")
+        await eventually(lambda: reflector.synced, what="initial list", within=TIMEOUT)
         assert reflector.objects == kubectl_objects(kube_env, namespace)
         assert reflector.lists == 1
 
         apply(kube_env, service("svc-0", namespace, 9999), service("svc-new", namespace))
         kube_env.kubectl("delete", "service", "svc-1", "-n", namespace)
         expected = kubectl_objects(kube_env, namespace)
-        await wait_until(lambda: reflector.objects == expected, "changes followed")
+        await eventually(lambda: reflector.objects == expected, what="changes followed", within=TIMEOUT)
         assert reflector.objects[(namespace, "svc-0")]["spec"]["ports"][0]["port"] == 9999
         assert (namespace, "svc-1") not in reflector.objects
 
@@ -109,9 +100,11 @@ async def test_on_change_runs_on_the_event_loop_after_each_change(kube_env: Kube
 
     reflector = reflector_for(kube_env, [namespace], on_change=on_change)
     async with running(reflector):
-        await wait_until(lambda: reflector.synced, "initial list")
+        await eventually(lambda: reflector.synced, what="initial list", within=TIMEOUT)
         apply(kube_env, service("late", namespace))
-        await wait_until(lambda: any(present for _, present in seen), "the new Service reported")
+        await eventually(
+            lambda: any(present for _, present in seen), what="the new Service reported", within=TIMEOUT
+        )
     assert {name for name, _ in seen} == {threading.main_thread().name}
 
 
@@ -123,11 +116,15 @@ async def test_follows_only_the_namespaces_asked_for(kube_env: KubeEnv) -> None:
     listed = reflector_for(kube_env, [first, second])
     everything = reflector_for(kube_env, None)
     async with running(listed), running(everything):
-        await wait_until(lambda: listed.synced and everything.synced, "initial lists")
+        await eventually(lambda: listed.synced and everything.synced, what="initial lists", within=TIMEOUT)
         apply(kube_env, service("qwen", second), service("qwen", other))
         want = {(first, "llama"), (second, "llama"), (second, "qwen")}
-        await wait_until(lambda: set(listed.objects) == want, "listed namespaces followed")
-        await wait_until(lambda: (other, "qwen") in everything.objects, "all namespaces followed")
+        await eventually(
+            lambda: set(listed.objects) == want, what="listed namespaces followed", within=TIMEOUT
+        )
+        await eventually(
+            lambda: (other, "qwen") in everything.objects, what="all namespaces followed", within=TIMEOUT
+        )
         assert {(first, "llama"), (other, "llama")} <= set(everything.objects)
 
 
@@ -136,10 +133,14 @@ async def test_watch_resumes_after_its_timeout_without_listing_again(
 ) -> None:
     """Watches that the server ends on time are resumed from the last resourceVersion, not relisted."""
     async with running(reflector_for(kube_env, [namespace])) as reflector:
-        await wait_until(lambda: reflector.synced, "initial list")
-        await wait_until(lambda: reflector.watches >= 3, "several watches in a row")
+        await eventually(lambda: reflector.synced, what="initial list", within=TIMEOUT)
+        await eventually(lambda: reflector.watches >= 3, what="several watches in a row", within=TIMEOUT)
         apply(kube_env, service("after-resume", namespace))
-        await wait_until(lambda: (namespace, "after-resume") in reflector.objects, "change after resumes")
+        await eventually(
+            lambda: (namespace, "after-resume") in reflector.objects,
+            what="change after resumes",
+            within=TIMEOUT,
+        )
         assert reflector.lists == 1
         assert reflector.last_error is None
 
@@ -148,7 +149,7 @@ async def test_relists_on_410_and_drops_what_vanished(kube_env: KubeEnv, namespa
     """An object deleted while the watch was away disappears once the expired watch makes it list again."""
     apply(kube_env, service("stays", namespace), service("vanishes", namespace))
     async with running(reflector_for(kube_env, [namespace])) as reflector:
-        await wait_until(lambda: reflector.synced, "initial list")
+        await eventually(lambda: reflector.synced, what="initial list", within=TIMEOUT)
         kube_env.stop_apiserver()
         try:
             # Behind the API server's back: its history restarts after this revision, so the
@@ -156,28 +157,36 @@ async def test_relists_on_410_and_drops_what_vanished(kube_env: KubeEnv, namespa
             etcd_delete(kube_env, f"/registry/services/specs/{namespace}/vanishes")
         finally:
             kube_env.start_apiserver()
-        await wait_until(lambda: reflector.lists == 2, "a second list after 410")
+        await eventually(lambda: reflector.lists == 2, what="a second list after 410", within=TIMEOUT)
         assert set(reflector.objects) == {(namespace, "stays")}
         apply(kube_env, service("after-relist", namespace))
-        await wait_until(lambda: (namespace, "after-relist") in reflector.objects, "watch after relist")
+        await eventually(
+            lambda: (namespace, "after-relist") in reflector.objects,
+            what="watch after relist",
+            within=TIMEOUT,
+        )
 
 
 async def test_keeps_what_it_knows_while_the_api_server_is_away(kube_env: KubeEnv, namespace: str) -> None:
     """No API server: objects stay and the error is reported; back: the error clears, changes flow."""
     apply(kube_env, service("llama", namespace))
     async with running(reflector_for(kube_env, [namespace])) as reflector:
-        await wait_until(lambda: reflector.synced, "initial list")
+        await eventually(lambda: reflector.synced, what="initial list", within=TIMEOUT)
         known = dict(reflector.objects)
         kube_env.stop_apiserver()
         try:
-            await wait_until(lambda: reflector.last_error is not None, "the outage reported")
+            await eventually(
+                lambda: reflector.last_error is not None, what="the outage reported", within=TIMEOUT
+            )
             assert "no answer" in (reflector.last_error or "")
             assert dict(reflector.objects) == known and reflector.synced
         finally:
             kube_env.start_apiserver()
-        await wait_until(lambda: reflector.last_error is None, "recovery")
+        await eventually(lambda: reflector.last_error is None, what="recovery", within=TIMEOUT)
         apply(kube_env, service("qwen", namespace))
-        await wait_until(lambda: (namespace, "qwen") in reflector.objects, "changes after the outage")
+        await eventually(
+            lambda: (namespace, "qwen") in reflector.objects, what="changes after the outage", within=TIMEOUT
+        )
         assert (namespace, "llama") in reflector.objects
 
 
@@ -185,7 +194,7 @@ async def test_absent_optional_type_is_synced_and_empty(kube_env: KubeEnv) -> No
     """An optional resource the server does not serve (Gateway API missing) is no error: just none."""
     absent = ResourceType("absent.example.com", "v1", "widgets", "Widget", optional=True)
     async with running(reflector_for(kube_env, None, resource=absent)) as reflector:
-        await wait_until(lambda: reflector.synced, "settled")
+        await eventually(lambda: reflector.synced, what="settled", within=TIMEOUT)
         assert (reflector.available, reflector.last_error, dict(reflector.objects)) == (False, None, {})
 
 
@@ -193,7 +202,7 @@ async def test_absent_required_type_is_an_error_naming_the_crd(kube_env: KubeEnv
     """A required resource the server does not serve keeps the reflector unsynced, and says why."""
     absent = ResourceType("absent.example.com", "v1", "gadgets", "Gadget")
     async with running(reflector_for(kube_env, None, resource=absent)) as reflector:
-        await wait_until(lambda: reflector.last_error is not None, "error reported")
+        await eventually(lambda: reflector.last_error is not None, what="error reported", within=TIMEOUT)
         assert "is its CRD installed?" in (reflector.last_error or "")
         assert not reflector.synced
 
@@ -203,20 +212,31 @@ async def test_oversized_event_is_skipped_and_a_list_catches_up(kube_env: KubeEn
     apply(kube_env, service("big", namespace), service("small", namespace))
     options = ReflectorOptions(max_event_bytes=4096)
     async with running(reflector_for(kube_env, [namespace], options=options)) as reflector:
-        await wait_until(lambda: reflector.synced, "initial list")
+        await eventually(lambda: reflector.synced, what="initial list", within=TIMEOUT)
         apply(kube_env, service("big", namespace, padding="x" * 8192))
         apply(kube_env, service("small", namespace, 81))
-        await wait_until(
-            lambda: reflector.objects[(namespace, "small")]["spec"]["ports"][0]["port"] == 81, "next event"
+        await eventually(
+            lambda: reflector.objects[(namespace, "small")]["spec"]["ports"][0]["port"] == 81,
+            what="next event",
+            within=TIMEOUT,
+            every=0.05,
         )
         assert reflector.oversized == 1
-        await wait_until(lambda: reflector.lists == 2, "list after the skipped event")
-        await wait_until(lambda: reflector.objects == kubectl_objects(kube_env, namespace), "caught up")
+        await eventually(lambda: reflector.lists == 2, what="list after the skipped event", within=TIMEOUT)
+        await eventually(
+            lambda: reflector.objects == kubectl_objects(kube_env, namespace),
+            what="caught up",
+            within=TIMEOUT,
+        )
         assert "padding" in reflector.objects[(namespace, "big")]["metadata"]["annotations"]
 
         # A DELETED event carries the object: one too large to read must not leave it cached for ever.
         kube_env.kubectl("delete", "service", "big", "-n", namespace)
-        await wait_until(lambda: (namespace, "big") not in reflector.objects, "deletion seen by a list")
+        await eventually(
+            lambda: (namespace, "big") not in reflector.objects,
+            what="deletion seen by a list",
+            within=TIMEOUT,
+        )
         assert reflector.oversized == 2 and reflector.lists == 3
 
 
@@ -226,7 +246,7 @@ async def test_stopping_leaves_no_thread_behind(kube_env: KubeEnv) -> None:
     before = kube_threads()
     reflector = reflector_for(kube_env, namespaces, options=ReflectorOptions())
     async with running(reflector):
-        await wait_until(lambda: reflector.watches == 3, "three open watches")
+        await eventually(lambda: reflector.watches == 3, what="three open watches", within=TIMEOUT)
         assert len(kube_threads()) == len(before) + 3
     assert kube_threads() == before
 

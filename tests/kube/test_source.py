@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 import yaml
 from ports import free_port
+from waiting import eventually
 
 from extproc.catalog.build import AWAITING_DISCOVERY
 from extproc.catalog.model import Catalog
@@ -29,7 +30,7 @@ from extproc.sources.kube import KubeSource
 from extproc.types import ModelName, WorkerSetKey
 
 from .kubeenv import KubeEnv
-from .test_reflector import kube_threads, wait_until
+from .test_reflector import TIMEOUT, kube_threads
 
 LLAMA, QWEN = "meta-llama/Meta-Llama-3-8B-Instruct", "Qwen/Qwen2-7B-Instruct"
 API = "kinference.buoyant.io/v1alpha1"
@@ -166,7 +167,7 @@ class Published:
 async def same_catalog(published: Published, expected: Catalog, what: str) -> None:
     """Wait until the kube source published ``expected``; on failure show both as /debug/state does."""
     try:
-        await wait_until(lambda: published.latest == expected, what)
+        await eventually(lambda: published.latest == expected, what=what, within=TIMEOUT)
     except AssertionError:
         got = published.latest.to_debug() if published.latest else None
         detail = json.dumps({"kube": got, "file": expected.to_debug()}, indent=1, sort_keys=True)
@@ -241,7 +242,7 @@ async def test_publishes_nothing_until_everything_is_listed(kube_env: KubeEnv, t
     ns = kube_env.new_namespace("first")
     apply(kube_env, cluster_objects(ns))
     async with watching(kube_env, [ns]) as (source, published):
-        await wait_until(lambda: published.latest is not None, "first catalog")
+        await eventually(lambda: published.latest is not None, what="first catalog", within=TIMEOUT)
         assert published.catalogs[0] == file_catalog(kube_env, ns, tmp_path / "c.yaml")
         assert source.debug_state()["synced"] is True
 
@@ -255,7 +256,9 @@ async def test_api_server_away_keeps_the_catalog_and_catches_up(kube_env: KubeEn
         count = len(published.catalogs)
         kube_env.stop_apiserver()
         try:
-            await wait_until(lambda: source.last_error is not None, "the outage reported")
+            await eventually(
+                lambda: source.last_error is not None, what="the outage reported", within=TIMEOUT
+            )
             state = source.debug_state()
             assert state["lastError"] and all(r["synced"] for r in state["resources"].values())
             assert len(published.catalogs) == count
@@ -263,7 +266,7 @@ async def test_api_server_away_keeps_the_catalog_and_catches_up(kube_env: KubeEn
             kube_env.start_apiserver()
         kube_env.kubectl("delete", "inferenceworkerset", "qwen", "-n", ns)
         await same_catalog(published, file_catalog(kube_env, ns, tmp_path / "2.yaml"), "after the outage")
-        await wait_until(lambda: source.last_error is None, "recovered")
+        await eventually(lambda: source.last_error is None, what="recovered", within=TIMEOUT)
 
 
 async def test_edit_the_router_cannot_use_keeps_the_previous_version(kube_env: KubeEnv) -> None:
@@ -271,14 +274,16 @@ async def test_edit_the_router_cannot_use_keeps_the_previous_version(kube_env: K
     ns = kube_env.new_namespace("edit")
     apply(kube_env, cluster_objects(ns))
     async with watching(kube_env, [ns]) as (_, published):
-        await wait_until(lambda: published.latest is not None, "first catalog")
+        await eventually(lambda: published.latest is not None, what="first catalog", within=TIMEOUT)
         key = WorkerSetKey(f"{ns}/llama")
         before = published.latest.worker_sets[key]  # type: ignore[union-attr]
         annotation = "kinference.buoyant.io/data-parallel-size=lots"
         kube_env.kubectl("annotate", "inferenceworkerset", "llama", "-n", ns, annotation)
-        await wait_until(
+        await eventually(
             lambda: any(p.name == "llama" for p in published.latest.problems),  # type: ignore[union-attr]
-            "the rejected edit reported",
+            what="the rejected edit reported",
+            within=TIMEOUT,
+            every=0.05,
         )
         latest = published.latest
         assert latest is not None and latest.worker_sets[key] == before
@@ -291,7 +296,7 @@ async def test_status_writes_and_unrelated_services_do_not_rebuild(kube_env: Kub
     ns = kube_env.new_namespace("quiet")
     apply(kube_env, cluster_objects(ns))
     async with watching(kube_env, [ns]) as (source, published):
-        await wait_until(lambda: published.latest is not None, "first catalog")
+        await eventually(lambda: published.latest is not None, what="first catalog", within=TIMEOUT)
         builds = source.builds
         status = json.dumps({"status": {"state": "Ready"}})
         kube_env.kubectl(
@@ -300,22 +305,26 @@ async def test_status_writes_and_unrelated_services_do_not_rebuild(kube_env: Kub
         )  # fmt: skip
         kube_env.kubectl("annotate", "service", "unrelated", "-n", ns, "touched=yes")
         worker_sets, services, _ = (r.objects for r in source.reflectors)
-        await wait_until(
+        await eventually(
             lambda: (
                 "status" in worker_sets[(ns, "llama")]
                 and "touched" in services[(ns, "unrelated")]["metadata"].get("annotations", {})
             ),
-            "both changes seen",
+            what="both changes seen",
+            within=TIMEOUT,
+            every=0.05,
         )
-        await wait_until(lambda: source.skipped >= 1, "the changes looked at")
+        await eventually(lambda: source.skipped >= 1, what="the changes looked at", within=TIMEOUT)
         await asyncio.sleep(source.debounce * 4)
         assert source.builds == builds and len(published.catalogs) == 1
 
         # A worker set that refers to the Service later sees it at once.
         apply(kube_env, [worker_set(ns, "late", "unrelated", 8080, models=[{"name": "late"}])])
-        await wait_until(
+        await eventually(
             lambda: WorkerSetKey(f"{ns}/late") in published.latest.worker_sets,  # type: ignore[union-attr]
-            "the new worker set",
+            what="the new worker set",
+            within=TIMEOUT,
+            every=0.05,
         )
         late = published.latest.worker_sets[WorkerSetKey(f"{ns}/late")]  # type: ignore[union-attr]
         assert not any("not found" in problem for problem in late.problems)
@@ -336,9 +345,9 @@ async def test_a_failing_publish_does_not_stop_the_watch(kube_env: KubeEnv) -> N
 
     task = asyncio.create_task(source.watch(publish))
     try:
-        await wait_until(lambda: source.publish_failed == 1, "the failed publish")
+        await eventually(lambda: source.publish_failed == 1, what="the failed publish", within=TIMEOUT)
         kube_env.kubectl("delete", "inferenceworkerset", "qwen", "-n", ns)
-        await wait_until(lambda: published.latest is not None, "the next catalog")
+        await eventually(lambda: published.latest is not None, what="the next catalog", within=TIMEOUT)
         assert WorkerSetKey(f"{ns}/qwen") not in published.latest.worker_sets  # type: ignore[union-attr]
         assert not task.done() and source.debug_state()["publishFailed"] == 1
     finally:
@@ -381,7 +390,7 @@ async def test_serve_keeps_routing_while_the_api_server_is_away(
         drain_seconds=0.5,
     )
     async with Server(settings) as server:
-        await wait_until(lambda: server.store.loaded, "serve has the cluster's state")
+        await eventually(lambda: server.store.loaded, what="serve has the cluster's state", within=TIMEOUT)
         gateway = await envoy_gateway(extproc_address=("127.0.0.1", server.grpc_port), pool=pods)
         async with aiohttp.ClientSession() as http:
 
@@ -394,7 +403,9 @@ async def test_serve_keeps_routing_while_the_api_server_is_away(
             assert {await served_by() for _ in range(12)} == {pod.address for pod in pods}
             kube_env.stop_apiserver()
             try:
-                await wait_until(lambda: server.source.last_error is not None, "the outage noticed")
+                await eventually(
+                    lambda: server.source.last_error is not None, what="the outage noticed", within=TIMEOUT
+                )
                 assert {await served_by() for _ in range(12)} == {pod.address for pod in pods}
                 async with http.get(f"http://127.0.0.1:{server.admin_port}/debug/state") as answer:
                     state = (await answer.json())["source"]
@@ -404,7 +415,11 @@ async def test_serve_keeps_routing_while_the_api_server_is_away(
                 kube_env.start_apiserver()
             kube_env.kubectl("delete", "endpointslice", "llama-0", "-n", ns)
             route = ModelName(LLAMA)
-            await wait_until(lambda: len(server.store.current.routes[route].endpoints) == 1, "slice deletion")
+            await eventually(
+                lambda: len(server.store.current.routes[route].endpoints) == 1,
+                what="slice deletion",
+                within=TIMEOUT,
+            )
             assert {await served_by() for _ in range(6)} == {pods[1].address}
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
+from waiting import eventually
 
 from extproc.kvindex.events import Source
 from extproc.kvindex.index import PrefixIndex
@@ -27,12 +27,6 @@ from extproc.types import EndpointAddress
 SOURCE = Source(EndpointAddress("127.0.0.1:8000"), 0)
 BLOCK = 16
 MODEL = "llama"
-
-
-async def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:  # noqa: ASYNC109
-    async with asyncio.timeout(timeout):
-        while not condition():  # noqa: ASYNC110 - state owned by the subscriber task
-            await asyncio.sleep(0.005)
 
 
 def stored(tokens: list[int], tag: str) -> bytes:
@@ -64,7 +58,7 @@ async def test_malformed_flood_leaves_exactly_the_real_blocks() -> None:
         while ingest.counters.batches == 0:
             await pub.send_multipart([b"", (0).to_bytes(8, "big"), stored(first, "first")])
             await asyncio.sleep(0.01)
-        await wait_for(lambda: subscriber.stats().last_seq == 0)
+        await eventually(lambda: subscriber.stats().last_seq == 0)
         real = [first]
         seq, malformed, garbage, oversized = 1, 0, 0, 0
         for i in range(600):
@@ -88,7 +82,7 @@ async def test_malformed_flood_leaves_exactly_the_real_blocks() -> None:
                 real.append(tokens)
                 seq += 1
         last = seq - 1
-        await wait_for(lambda: subscriber.stats().last_seq == last)
+        await eventually(lambda: subscriber.stats().last_seq == last)
         stats = subscriber.stats()
         assert stats.counters.malformed == malformed
         assert stats.counters.oversized == oversized

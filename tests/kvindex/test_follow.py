@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from catalog.test_build import build, eps, iws, svc
+from waiting import eventually
 
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
@@ -178,18 +179,6 @@ def test_plan_sources(objects: list[dict[str, Any]], expected: dict[Source, Sour
 # --- live: a real CatalogStore, KVSubscriptions and simulator publishers -------------------------
 
 
-async def wait_for(cond: Callable[[], bool], *, tick: Callable[[], object] | None = None) -> None:
-    """Poll ``cond`` (calling ``tick`` before each check) until it holds; fail after 5 s."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 5.0
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached within 5 s")
-        if tick is not None:
-            tick()
-        await asyncio.sleep(0.005)
-
-
 def port_of(endpoint: str | None) -> int:
     assert endpoint is not None
     return int(endpoint.rsplit(":", 1)[1])
@@ -264,20 +253,20 @@ async def test_follower_subscribes_to_what_the_catalog_names_and_drops_what_leav
     index = follower.index
     pub_a.publish([stored(0, 2)], ts=1.0)  # before anyone subscribed: only replay can deliver it
     follower.store.publish(live_catalog(a=(pub_a, 8001), b=(pub_b, 8002)))
-    await wait_for(lambda: set(follower.subscriptions.targets()) == {a, b})
+    await eventually(lambda: set(follower.subscriptions.targets()) == {a, b})
     assert set(index.sources()) == {a, b}
     assert follower.follower.plans[a].target.pub_address == pub_a.endpoint
-    await wait_for(lambda: index.match(KEYS, [a]) == {a: 2}, tick=filler(pub_a))
+    await eventually(lambda: index.match(KEYS, [a]) == {a: 2}, tick=filler(pub_a))
 
     pub_b.publish([stored(0, 3)], ts=2.0)
-    await wait_for(lambda: index.match(KEYS, [b]) == {b: 3}, tick=filler(pub_b))
+    await eventually(lambda: index.match(KEYS, [b]) == {b: 3}, tick=filler(pub_b))
     assert index.match(KEYS) == {a: 2, b: 3}
-    await wait_for(lambda: all(follower.ingest.health.get(s) is not None for s in (a, b)))
+    await eventually(lambda: all(follower.ingest.health.get(s) is not None for s in (a, b)))
     assert follower.ingest.health[a].complete and follower.ingest.health[b].complete
     assert index.incomplete_sources() == frozenset()
 
     follower.store.publish(live_catalog(a=(pub_a, 8001)))
-    await wait_for(lambda: b not in index.sources())
+    await eventually(lambda: b not in index.sources())
     assert index.match(KEYS, [a, b]) == {a: 2, b: 0}
     assert set(follower.subscriptions.targets()) == {a}
     assert set(follower.follower.plans) == {a}
@@ -285,7 +274,7 @@ async def test_follower_subscribes_to_what_the_catalog_names_and_drops_what_leav
     assert follower.ingest.counters.unknown_source == 0
 
     pub_a.publish([stored(2, 1)], ts=3.0)  # the remaining source keeps following
-    await wait_for(lambda: index.match(KEYS, [a]) == {a: 3}, tick=filler(pub_a))
+    await eventually(lambda: index.match(KEYS, [a]) == {a: 3}, tick=filler(pub_a))
 
 
 async def test_follower_resubscribes_when_a_pods_kv_port_changes(
@@ -297,9 +286,9 @@ async def test_follower_resubscribes_when_a_pods_kv_port_changes(
     old.publish([stored(0, 3)], ts=1.0)
     new.publish([stored(0, 1)], ts=1.0)
     follower.store.publish(live_catalog(a=(old, 8001)))
-    await wait_for(lambda: follower.index.match(KEYS) == {a: 3}, tick=filler(old))
+    await eventually(lambda: follower.index.match(KEYS) == {a: 3}, tick=filler(old))
     follower.store.publish(live_catalog(a=(new, 8001)))
-    await wait_for(lambda: follower.index.match(KEYS) == {a: 1}, tick=filler(new))
+    await eventually(lambda: follower.index.match(KEYS) == {a: 1}, tick=filler(new))
     assert follower.subscriptions.targets()[a].pub_address == new.endpoint
     assert follower.ingest.health[a].last_reset.startswith("subscription target changed")
 
@@ -310,7 +299,7 @@ async def test_close_stops_everything(make_publisher: MakePublisher) -> None:
     f = Follower()
     a = src("127.0.0.1:8001")
     f.store.publish(live_catalog(a=(pub, 8001)))
-    await wait_for(lambda: set(f.subscriptions.targets()) == {a})
+    await eventually(lambda: set(f.subscriptions.targets()) == {a})
     await f.follower.close()
     assert f.subscriptions.targets() == {}
     other = await make_publisher()

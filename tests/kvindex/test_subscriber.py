@@ -6,7 +6,6 @@ publish until a condition holds (``pump``) and rely on the subscriber's replay-f
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 import zmq
 import zmq.asyncio
+from waiting import eventually
 
 from extproc.kvindex.events import Source
 from extproc.kvindex.subscriber import (
@@ -87,17 +87,6 @@ class Feed:
         return [self.publish() for _ in range(count)][-1]
 
 
-async def wait_for(cond: Callable[[], bool], *, tick: Callable[[], object] | None = None) -> None:
-    """Poll ``cond`` (calling ``tick`` before each check) until it holds; fail after 5 s."""
-    deadline = asyncio.get_running_loop().time() + 5.0
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached within 5 s")
-        if tick is not None:
-            tick()
-        await asyncio.sleep(0.005)
-
-
 @pytest.fixture
 async def make_publisher() -> AsyncIterator[MakePublisher]:
     """Started simulator publishers on free loopback ports (replay on unless told); closed at teardown."""
@@ -158,7 +147,7 @@ async def test_delivers_every_batch_in_order_from_seq_0(
     sub = make_subscriber(
         pub.endpoint, sink, replay_address=pub.replay_endpoint, topic=sub_topic, clock=lambda: 42.0
     )
-    await wait_for(lambda: len(sink.seqs()) >= 5, tick=feed.publish)
+    await eventually(lambda: len(sink.seqs()) >= 5, tick=feed.publish)
     assert sink.seqs() == list(range(len(sink.seqs())))
     assert [payload for _, payload in sink.of("batch")] == [feed.sent[s] for s in sink.seqs()]
     assert sink.of("complete") == [(True, "in sync from seq 0")] and sink.of("reset") == []
@@ -176,7 +165,7 @@ async def test_late_join_with_replay_gets_history_from_0(
     feed = Feed(pub)
     feed.burst(5)
     sub = make_subscriber(pub.endpoint, sink, replay_address=pub.replay_endpoint)
-    await wait_for(lambda: len(sink.seqs()) >= 8, tick=feed.publish)
+    await eventually(lambda: len(sink.seqs()) >= 8, tick=feed.publish)
     assert sink.seqs() == list(range(len(sink.seqs())))
     assert sink.of("complete") == [(True, "in sync from seq 0")]
     assert sub.stats().counters.replays_ok >= 1
@@ -190,7 +179,7 @@ async def test_late_join_without_replay_reports_incomplete(
     feed = Feed(pub)
     feed.burst(3)
     sub = make_subscriber(pub.endpoint, sink)
-    await wait_for(lambda: len(sink.seqs()) >= 2, tick=feed.publish)
+    await eventually(lambda: len(sink.seqs()) >= 2, tick=feed.publish)
     first = sink.seqs()[0]
     assert first >= 3 and sink.seqs() == list(range(first, first + len(sink.seqs())))
     assert sink.of("complete") == [(False, f"joined at seq {first} without replay")]
@@ -205,7 +194,7 @@ async def test_late_join_after_history_left_the_buffer_reports_what_is_lost(
     feed = Feed(pub)
     feed.burst(6)
     sub = make_subscriber(pub.endpoint, sink, replay_address=pub.replay_endpoint)
-    await wait_for(lambda: len(sink.seqs()) >= 4, tick=feed.publish)
+    await eventually(lambda: len(sink.seqs()) >= 4, tick=feed.publish)
     first = sink.seqs()[0]
     assert first >= 3 and sink.seqs() == list(range(first, first + len(sink.seqs())))
     assert sink.of("complete") == [(False, f"history before seq {first} lost")]
@@ -220,10 +209,10 @@ async def test_gap_is_filled_by_replay_each_seq_once_in_order(
     pub = await make_publisher(replay_topic_frame=topic_frame, topic="kv@x@m")
     sink, feed = RecordingSink(), Feed(pub)
     sub = make_subscriber(pub.endpoint, sink, replay_address=pub.replay_endpoint)
-    await wait_for(lambda: len(sink.seqs()) >= 2, tick=feed.publish)
+    await eventually(lambda: len(sink.seqs()) >= 2, tick=feed.publish)
     pub.set_faults(PublisherFaults(drop_next=3))
     last = feed.burst(20)  # 3 dropped, then 17 queued for the SUB while the replay serves them all
-    await wait_for(lambda: len(sink.seqs()) >= last + 10, tick=feed.publish)  # live keeps coming
+    await eventually(lambda: len(sink.seqs()) >= last + 10, tick=feed.publish)  # live keeps coming
     assert sink.seqs() == list(range(len(sink.seqs())))
     assert [payload for _, payload in sink.of("batch")] == [feed.sent[s] for s in sink.seqs()]
     counters = sub.stats().counters
@@ -239,11 +228,11 @@ async def test_gap_replay_cannot_cover_reports_incomplete(
     pub, sink = await make_publisher(buffer_steps=3), RecordingSink()
     feed = Feed(pub)
     sub = make_subscriber(pub.endpoint, sink, replay_address=pub.replay_endpoint)
-    await wait_for(lambda: len(sink.seqs()) >= 2, tick=feed.publish)
+    await eventually(lambda: len(sink.seqs()) >= 2, tick=feed.publish)
     before = sub.stats().counters
     pub.set_faults(PublisherFaults(drop_next=5))
     last = feed.burst(6)  # seqs last-5 .. last-1 dropped; the buffer keeps last-2 .. last
-    await wait_for(lambda: sink.seqs()[-1:] == [last])
+    await eventually(lambda: sink.seqs()[-1:] == [last])
     assert sink.seqs()[-4:] == [last - 6, last - 2, last - 1, last]
     assert sink.of("complete")[-1] == (
         False,
@@ -266,7 +255,7 @@ async def test_replay_timeout_reports_incomplete(
     feed.burst(3)
     options = SubscriberOptions(reconnect_interval=0.01, replay_timeout=0.1, replay_limit=0.5)
     sub = make_subscriber(pub.endpoint, sink, replay_address=silent, options=options)
-    await wait_for(lambda: len(sink.seqs()) >= 2, tick=feed.publish)
+    await eventually(lambda: len(sink.seqs()) >= 2, tick=feed.publish)
     first = sink.seqs()[0]
     assert sink.of("complete") == [(False, f"history before seq {first} lost (replay timed out)")]
     assert sub.stats().counters.replays_failed == 1
@@ -280,13 +269,13 @@ async def test_restart_resets_then_delivers_from_seq_0(
     pub, sink = await make_publisher(), RecordingSink()
     feed = Feed(pub)
     sub = make_subscriber(pub.endpoint, sink, replay_address=pub.replay_endpoint)
-    await wait_for(lambda: len(sink.seqs()) >= 5, tick=feed.publish)
+    await eventually(lambda: len(sink.seqs()) >= 5, tick=feed.publish)
     before = sink.seqs()[-1]
     pub.restart()
     feed.sent.clear()
     if early:
         feed.burst(early)  # sent before the SUB is back: it may next see exactly the seq it expects
-    await wait_for(
+    await eventually(
         lambda: len(sink.seqs(since_reset=True)) >= early + 3 and bool(sink.of("reset")), tick=feed.publish
     )
     (reason,) = sink.of("reset")
@@ -313,7 +302,7 @@ async def test_malformed_and_oversized_messages_are_counted_and_skipped(
     def send(seq: int, payload: bytes = b"ok") -> None:
         pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
 
-    await wait_for(lambda: bool(sink.seqs()), tick=lambda: send(next(seqs)))
+    await eventually(lambda: bool(sink.seqs()), tick=lambda: send(next(seqs)))
     before = sub.stats().counters
     big = next(seqs)
     for frames in (
@@ -324,7 +313,7 @@ async def test_malformed_and_oversized_messages_are_counted_and_skipped(
     ):
         pub.send_multipart(frames)
     send(big + 1)
-    await wait_for(lambda: sink.seqs()[-1] == big + 1)
+    await eventually(lambda: sink.seqs()[-1] == big + 1)
     assert sink.seqs()[-2:] == [big - 1, big + 1]
     after = sub.stats().counters
     assert (after.malformed, after.oversized, after.lost - before.lost) == (3, 1, 1)
@@ -348,11 +337,11 @@ async def test_frame_over_the_hard_limit_drops_the_connection_not_the_stream(
     def send(payload: bytes = b"ok") -> None:
         pub.send_multipart([b"", next(seqs).to_bytes(8, "big"), payload])
 
-    await wait_for(lambda: bool(sink.seqs()), tick=send)
+    await eventually(lambda: bool(sink.seqs()), tick=send)
     send(b"z" * 4096)
-    await wait_for(lambda: sub.stats().counters.disconnects >= 1)
+    await eventually(lambda: sub.stats().counters.disconnects >= 1)
     count = len(sink.seqs())
-    await wait_for(lambda: len(sink.seqs()) > count, tick=send)
+    await eventually(lambda: len(sink.seqs()) > count, tick=send)
     counters = sub.stats().counters
     assert (counters.oversized, counters.redials) == (0, 1) and sink.seqs() == sorted(set(sink.seqs()))
 
@@ -373,7 +362,7 @@ async def test_sink_exception_does_not_stop_the_subscriber(make_publisher: MakeP
     async with KVEventSubscriber(
         source=SOURCE, pub_address=pub.endpoint, replay_address=pub.replay_endpoint, sink=sink, options=FAST
     ) as sub:
-        await wait_for(lambda: len(sink.seqs()) >= 3, tick=feed.publish)
+        await eventually(lambda: len(sink.seqs()) >= 3, tick=feed.publish)
         assert sink.seqs() == list(range(len(sink.seqs())))
         assert (sub.stats().counters.sink_errors, sub.stats().running) == (1, True)
     assert sub.stats().running is False
@@ -396,12 +385,12 @@ async def test_subscriptions_follow_added_removed_and_changed_sources(make_publi
             for feed in feeds.values():
                 feed.publish()
 
-        await wait_for(lambda: bool(sink.seqs(source_a)) and bool(sink.seqs(source_b)), tick=tick)
+        await eventually(lambda: bool(sink.seqs(source_a)) and bool(sink.seqs(source_b)), tick=tick)
         await subs.sync({source_a: target[c]})
         assert sink.of("reset", source_b) == [("endpoint removed",)]
         assert sink.of("reset", source_a) == [(f"subscription target changed to {c.endpoint}",)]
         assert subs.targets() == {source_a: target[c]}
-        await wait_for(lambda: len(sink.seqs(source_a, since_reset=True)) >= 2, tick=tick)
+        await eventually(lambda: len(sink.seqs(source_a, since_reset=True)) >= 2, tick=tick)
         assert sink.seqs(source_a, since_reset=True)[:2] == [0, 1]
         assert [c for c in sink.calls if c[1] == source_b][-1] == ("reset", source_b, "endpoint removed")
     finally:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from waiting import eventually
 
 from extproc.reconcile.serve_state import (
     ModelView,
@@ -50,12 +49,6 @@ def test_fields_of_the_wrong_shape_are_dropped() -> None:
     assert (a.ready_endpoints, a.terminating_endpoints, a.kv_subscribed) == (3, 0, 0)
     assert a.models == (ModelView("m"),)
     assert a.problems == ("p",)
-
-
-async def eventually(check: Callable[[], bool], *, within: float = 10.0) -> None:
-    async with asyncio.timeout(within):
-        while not check():  # noqa: ASYNC110 - state owned by the watcher's task
-            await asyncio.sleep(0.02)
 
 
 async def test_the_watcher_reads_a_real_serve_and_notices_it_going_away() -> None:

@@ -8,12 +8,12 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from simulated import StartSim, idle
+from waiting import eventually
 
 from extproc.sim.server import SimServer
 from extproc.sim.settings import KVEventSettings, LoraModule
 from extproc.tokenize import shipped_chat_template, shipped_tokenizer
-
-from .conftest import StartSim, idle, wait_for
 
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
@@ -196,7 +196,7 @@ async def test_client_going_away_frees_the_request(sim: StartSim, http: aiohttp.
     async with http.post(url(server, "/v1/completions"), json=body) as resp:
         await resp.content.readline()
         assert server.ranks[0].core.num_running == 1
-    await wait_for(lambda: idle(server))
+    await eventually(lambda: idle(server))
     assert server.ranks[0].core.kv_cache_usage == 0.0
 
 
@@ -210,7 +210,7 @@ async def test_reset_prefix_cache_refuses_while_blocks_are_in_use(
         await resp.content.readline()
         status, answer = await post(http, server, "/reset_prefix_cache", None)
         assert status == 400 and "in use" in answer["error"]["message"]
-    await wait_for(lambda: idle(server))
+    await eventually(lambda: idle(server))
     async with http.post(url(server, "/reset_prefix_cache")) as resp:
         assert resp.status == 200
     assert not server.ranks[0].core.cache.cached_hashes()

@@ -10,6 +10,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from simulated import StartSim, idle
+from waiting import eventually
 
 from extproc.errors import ConfigError
 from extproc.kvindex.events import Source
@@ -26,7 +28,6 @@ from extproc.sim.server import SimServer
 from extproc.sim.settings import KVEventSettings
 from extproc.types import EndpointAddress
 
-from .conftest import StartSim, idle, wait_for
 from .kv_subscriber import decode_batch
 from .test_engine_core import Trace, _drain
 from .test_engine_loop import FakeTime
@@ -279,7 +280,7 @@ async def test_an_arrival_during_a_load_is_scheduled_at_once() -> None:
                 pass
         fake.hold = True
         b = loop.submit(SimRequest("b", [*a, 1, 2, 3, 4], [9000]))
-        await wait_for(lambda: fake.held == 1)
+        await eventually(lambda: fake.held == 1)
         assert core.num_loading == 1
         fake.now += 0.001
         fake.hold = False
@@ -325,7 +326,7 @@ async def test_subscriber_rebuilds_both_tiers(
     try:
         await follower.join(http, server)
         await offload_workload(http, server, seed=1)
-        await wait_for(lambda: idle(server))
+        await eventually(lambda: idle(server))
         await follower.drain()
         core = server.ranks[0].core
         assert core.external_prefix_cache_hits > 0, "the workload should hit the CPU tier"
@@ -361,7 +362,7 @@ async def test_router_index_sees_the_cpu_tier(sim: StartSim, http: aiohttp.Clien
 
     async def sync() -> None:
         nonlocal applied
-        await wait_for(lambda: idle(server))
+        await eventually(lambda: idle(server))
         await follower.drain()
         for seq in range(applied, len(follower.payloads)):
             ingest.on_batch(source, seq, follower.payloads[seq])

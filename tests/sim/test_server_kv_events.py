@@ -13,12 +13,13 @@ from collections import Counter
 
 import aiohttp
 import pytest
+from simulated import StartSim, idle
+from waiting import eventually
 
 from extproc.sim.kv_wire import EventEncoding, HashFormat
 from extproc.sim.server import SimServer
 from extproc.sim.settings import KVEventSettings, LoraModule
 
-from .conftest import StartSim, idle, wait_for
 from .kv_subscriber import KVSubscriber, ReconstructedCache
 
 BLOCK = 16
@@ -120,7 +121,7 @@ async def test_subscriber_rebuilds_the_cache_through_evictions_reset_and_replay(
     try:
         await follower.join(http, server)
         await workload(http, server, seed=1)
-        await wait_for(lambda: idle(server))
+        await eventually(lambda: idle(server))
         await follower.drain()
         assert follower.events["BlockRemoved"] > 0, "the workload should overflow the cache"
         assert follower.cache.blocks == engine_blocks(server)
@@ -129,7 +130,7 @@ async def test_subscriber_rebuilds_the_cache_through_evictions_reset_and_replay(
         async with http.post(f"http://{server.address}/reset_prefix_cache") as resp:
             assert resp.status == 200
         await workload(http, server, seed=2)
-        await wait_for(lambda: idle(server))
+        await eventually(lambda: idle(server))
         await follower.drain()
         assert follower.events["AllBlocksCleared"] == 1
         assert follower.cache.blocks == engine_blocks(server)
@@ -154,7 +155,7 @@ async def test_evicted_blocks_are_announced_removed(sim: StartSim, http: aiohttp
         rng = random.Random(3)
         for _ in range(12):
             await complete(http, server, [rng.randrange(100, 4000) for _ in range(4 * BLOCK)])
-        await wait_for(lambda: idle(server))
+        await eventually(lambda: idle(server))
         await follower.drain()
         assert follower.cache.blocks == engine_blocks(server)
         assert follower.events["BlockRemoved"] >= 12 * 4 - 36, "every block past capacity is evicted"
@@ -178,7 +179,7 @@ async def test_lora_blocks_carry_the_adapter_name(sim: StartSim, http: aiohttp.C
                 json={"model": model, "prompt": prompt, "max_tokens": 1},
             ) as resp:
                 assert resp.status == 200
-        await wait_for(lambda: idle(server))
+        await eventually(lambda: idle(server))
         await follower.drain()
         by_tokens: dict[tuple[int, ...], set[str | None]] = {}
         for info in follower.cache.info.values():
@@ -195,7 +196,7 @@ async def test_coarser_published_blocks(sim: StartSim, http: aiohttp.ClientSessi
     try:
         await follower.join(http, server)
         await complete(http, server, list(range(1000, 1000 + 130)))
-        await wait_for(lambda: idle(server))
+        await eventually(lambda: idle(server))
         await follower.drain()
         assert follower.cache.blocks == engine_blocks(server)
         sizes = {info.block_size for info in follower.cache.info.values()}

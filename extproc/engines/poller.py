@@ -1,0 +1,148 @@
+"""The skeleton every engine poller shares: an owned task, an HTTP session, bounded asks, quiet logs.
+
+A poller (:mod:`~extproc.engines.scraper`, :mod:`~extproc.engines.discovery`,
+:mod:`~extproc.engines.parity`) keeps its own per-endpoint state and says what one round does
+(:meth:`EndpointPoller.round`) and how long to wait before the next (:meth:`EndpointPoller.delay`).
+This base runs the rounds in one owned task (a failing round is logged and the next one runs;
+:meth:`wake` starts one early), owns or borrows the ``aiohttp`` session, asks endpoints through
+:meth:`get` (concurrency-bounded, time-bounded, size-bounded, every failure turned into a message),
+and rate-limits the warnings a broken endpoint would otherwise repeat every round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+import aiohttp
+
+from extproc.fetch import fetch_bounded
+from extproc.tasks import cancel_and_wait, sleep_or_wake
+from extproc.telemetry import LogLimiter
+from extproc.types import EndpointAddress
+
+log = logging.getLogger(__name__)
+
+#: At most one warning per endpoint and kind of failure per this many seconds.
+LOG_INTERVAL = 60.0
+#: Asks in flight at once, so a catalog of hundreds of pods does not open hundreds of sockets.
+MAX_CONCURRENCY = 64
+
+T = TypeVar("T")
+
+
+class EndpointPoller:
+    """Subclasses implement :meth:`round` and :meth:`delay`; see the module docstring.
+
+    ``what`` names the poller in logs and its task ("engine scrape"). ``session`` is borrowed if
+    given (not closed), else one is made in :meth:`start` and closed in :meth:`close`. ``clock``
+    (seconds) paces the warnings. ``timeout`` bounds each ask once it is its turn.
+    """
+
+    def __init__(
+        self,
+        *,
+        what: str,
+        timeout: float,
+        clock: Callable[[], float],
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self.what = what
+        self.timeout = timeout
+        self._clock = clock
+        self.session = session
+        self._own_session = session is None
+        self._log_limiter: LogLimiter[EndpointAddress] = LogLimiter(clock, LOG_INTERVAL)
+        self._semaphore = asyncio.Semaphore(MAX_CONCURRENCY)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # -- what a poller says -----------------------------------------------------------------------
+
+    async def round(self) -> None:
+        """One round of asking."""
+        raise NotImplementedError
+
+    def delay(self, elapsed: float) -> float:
+        """Seconds to wait before the next round, given the last one took ``elapsed`` seconds."""
+        raise NotImplementedError
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.session is None:
+            self.session = aiohttp.ClientSession()
+        self._task = asyncio.create_task(self._run(), name=self.what.replace(" ", "-"))
+
+    def wake(self) -> None:
+        """Start the next round now (e.g. the catalog changed)."""
+        self._wake.set()
+
+    async def close(self) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None
+        if self._own_session and self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            self._wake.clear()
+            try:
+                await self.round()
+            except Exception:
+                # A bug here must not stop later rounds.
+                log.exception("%s round failed", self.what)
+            await sleep_or_wake(self._wake, max(0.0, self.delay(loop.time() - started)))
+
+    # -- asking one endpoint ----------------------------------------------------------------------
+
+    async def get(
+        self,
+        address: EndpointAddress,
+        url: str,
+        *,
+        accept: str,
+        max_bytes: int,
+        parse: Callable[[bytes], T],
+        error: type[Exception],
+        parse_errors: tuple[type[Exception], ...] = (),
+    ) -> tuple[T, None] | tuple[None, str]:
+        """GET ``url`` and ``parse`` the body: ``(parsed, None)``, or ``(None, what went wrong)``.
+
+        ``error`` is the poller's own failure type (raised for a bad status or an oversized body, and
+        maybe by ``parse``); its message is kept as is, as is that of ``parse_errors``. Nothing
+        raises out of here, so one endpoint never ends a round.
+        """
+        assert self.session is not None, "start() first"
+        try:
+            async with self._semaphore:  # the timeout starts once it is our turn
+                async with asyncio.timeout(self.timeout):
+                    body = await fetch_bounded(
+                        self.session, url, accept=accept, max_bytes=max_bytes, error=error
+                    )
+            return parse(body), None
+        except TimeoutError:
+            return None, f"no answer within {self.timeout:g}s"
+        except aiohttp.ClientError as exc:
+            return None, f"{type(exc).__name__}: {exc}"
+        except (error, *parse_errors) as exc:
+            return None, str(exc)
+        except Exception as exc:
+            log.exception("%s failed endpoint=%s", self.what, address)
+            return None, f"unexpected {type(exc).__name__}: {exc}"
+
+    def warn_sometimes(self, address: EndpointAddress, error: str) -> None:
+        """Log a failure, at most once per endpoint and kind of failure per :data:`LOG_INTERVAL`."""
+        if self._log_limiter.allow(address, error.split(":", 1)[0]):
+            log.warning("%s failed endpoint=%s error=%s", self.what, address, error)
+
+    def forget(self, address: EndpointAddress) -> None:
+        """The endpoint left: its warning history goes with it."""
+        self._log_limiter.forget(address)

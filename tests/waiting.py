@@ -1,0 +1,32 @@
+"""The one way tests wait for state that another task or process changes.
+
+Tests never sleep for time to pass; they poll a condition and fail with a message naming what
+did not happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+
+async def eventually(
+    check: Callable[[], bool],
+    *,
+    within: float = 5.0,
+    what: str = "condition",
+    tick: Callable[[], object] | None = None,
+    every: float = 0.005,
+) -> None:
+    """Poll ``check`` every ``every`` s (calling ``tick`` first, if given) until it holds.
+
+    Fails with an AssertionError naming ``what`` after ``within`` seconds.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not check():
+        if loop.time() > deadline:
+            raise AssertionError(f"{what}: not met within {within:g} s")
+        if tick is not None:
+            tick()
+        await asyncio.sleep(every)
