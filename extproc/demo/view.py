@@ -8,7 +8,7 @@ redraw on a TTY (:func:`render_frame`), a one-line summary in logs and CI (:func
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 #: Clear the screen and move the cursor home: each frame replaces the last one in place.
 CLEAR = "\x1b[H\x1b[2J"
@@ -280,3 +280,65 @@ def _duration(seconds: float) -> str:
     hours, rest = divmod(whole, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours:02d}:{minutes:02d}:{secs:02d}"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixView:
+    """What the live view shows of the router's prefix routing (rendered here, below the table)."""
+
+    #: ``extproc_prefix_lookups_total`` by mode: precise (tokenized, KV events), approximate, none.
+    lookups: Mapping[str, int]
+    tokenize_errors: int
+    #: Per engine, in table order: (worker set, GPU blocks the router's index holds or None when
+    #: not subscribed yet, whether its event stream is complete from seq 0).
+    engines: Sequence[tuple[str, int | None, bool]]
+
+    def lines(self, width: int = 100) -> list[str]:
+        """Two short lines (wrapped to ``width`` with many engines) for the TTY frame."""
+        modes = [
+            f"precise {self.lookups.get('precise', 0)}",
+            f"approximate {self.lookups.get('approximate', 0)}",
+        ]
+        if self.tokenize_errors:
+            modes.append(f"tokenize errors {self.tokenize_errors}")
+        in_sync = sum(1 for _, blocks, complete in self.engines if blocks is not None and complete)
+        # (separator, text) pieces; a line may break before any piece, e.g. between two counts.
+        pieces = [("", f"router index, blocks per engine ({in_sync}/{len(self.engines)} in sync):")]
+        for n, (name, counts) in enumerate(self._per_set().items()):
+            pieces.append((" " if n == 0 else "  ", name))
+            pieces += [(" " if i == 0 else "/", count) for i, count in enumerate(counts.split("/"))]
+        index = [""]
+        for sep, text in pieces:
+            if index[-1] and len(index[-1]) + len(sep) + len(text) > width:
+                index.append("  " + text)
+            else:
+                index[-1] += (sep if index[-1] else "") + text
+        return ["router prefix lookups: " + "  ".join(modes), *index]
+
+    def summary(self) -> str:
+        """The one-line summary's part: ``lookups: precise=N approximate=M indexed=a/b/c,d``."""
+        indexed = ",".join(self._per_set().values())
+        return (
+            f"lookups: precise={self.lookups.get('precise', 0)} "
+            f"approximate={self.lookups.get('approximate', 0)} indexed={indexed}"
+        )
+
+    def _per_set(self) -> dict[str, str]:
+        groups: dict[str, list[str]] = {}
+        for name, blocks, _ in self.engines:
+            groups.setdefault(name, []).append("-" if blocks is None else str(blocks))
+        return {name: "/".join(counts) for name, counts in groups.items()}
+
+
+def render_demo_frame(snapshot: Snapshot, prefix: PrefixView, intro: str = "") -> str:
+    """The view's frame, then the router's prefix lines below the outcomes."""
+    return render_frame(snapshot, intro) + "\n".join(prefix.lines()) + "\n"
+
+
+def render_demo_line(snapshot: Snapshot, prefix: PrefixView) -> str:
+    """The view's one-line summary with the prefix part before the traffic (which stays last)."""
+    line = render_line(replace(snapshot, traffic=None)) + " " + prefix.summary()
+    if snapshot.traffic is not None:
+        t = snapshot.traffic
+        line += f" traffic: sent={t.sent} ok={t.ok} failed={t.failed}"
+    return line

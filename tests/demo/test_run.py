@@ -26,18 +26,10 @@ import pytest
 from ports import free_port
 from processes import pid_gone
 
-from extproc.demo.run import (
-    DOCUMENT,
-    SYSTEM_PROMPT,
-    SYSTEM_PROMPTS,
-    Demo,
-    PrefixView,
-    check_ports_free,
-    demo_options,
-    render_demo_line,
-    sample_request,
-)
-from extproc.demo.view import EndpointRow, Snapshot, TrafficStats, render_table
+from extproc.demo.options import check_ports_free, demo_options
+from extproc.demo.stack import Demo
+from extproc.demo.traffic import DOCUMENT, SYSTEM_PROMPT, SYSTEM_PROMPTS, sample_request
+from extproc.demo.view import EndpointRow, PrefixView, Snapshot, TrafficStats, render_demo_line, render_table
 from extproc.errors import ConfigError
 
 LLAMA = "meta-llama/Meta-Llama-3-8B-Instruct"
