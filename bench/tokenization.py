@@ -121,7 +121,7 @@ def timed(fn: Callable[[], object]) -> float:
 
 def measure(tokenizer: ModelTokenizer, path: str, body: dict[str, Any], budget: float) -> dict[str, Any]:
     """p50 / p99 of ``prompt_ids`` (the router's call), and of its parts, over a time budget."""
-    prompt = read_request(path, body).prompt
+    prompt = read_request(path, body).read_prompt()
     assert prompt is not None
     ids = tokenizer.prompt_ids(prompt)
     assert ids is not None

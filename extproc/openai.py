@@ -5,10 +5,11 @@ tokenizers, the prefix indexes, the simulator) consumes the typed request or one
 types, never the decoded dict.
 
 Parsing is strict about the one field routing depends on (``model``) and tolerant of everything
-else, which is passed through untouched: engines validate their own parameters. A prompt this
+else, which is passed through untouched: engines validate their own parameters. The prompt is
+read only when someone needs its tokens (:meth:`InferenceRequest.read_prompt`): a prompt this
 module cannot read the way the engine would (``messages`` not a list of objects, ``tools`` not a
-list, ...) is not a routing error: the request keeps ``prompt`` None with the reason in
-``prompt_error`` and is routed approximately, so the engine answers the client itself.
+list, ...) raises :class:`BadRequest` there, and the caller decides; the router routes such a
+request approximately, so the engine answers the client itself.
 """
 
 from __future__ import annotations
@@ -132,14 +133,22 @@ class InferenceRequest:
     stream: bool
     #: ``max_completion_tokens`` or ``max_tokens`` when given (a positive int), else None.
     max_tokens: int | None
-    #: The prompt, read the way the engine reads it; None for other kinds, or see ``prompt_error``.
-    prompt: Prompt | None
-    #: Why a chat or completions prompt could not be read (the engine will say so to the client).
-    prompt_error: str | None
     #: The text approximate prefix affinity is computed from (see :func:`prefix_text`); None: none.
     prefix_text: str | None
-    #: The decoded body, for :func:`rewrite_model` only (the one place that writes it back).
+    #: The decoded body, for :meth:`read_prompt` and :func:`rewrite_model` only.
     payload: dict[str, Any] = field(repr=False)
+
+    def read_prompt(self) -> Prompt | None:
+        """The prompt, read the way the engine reads it; None for kinds without one.
+
+        Raises :class:`BadRequest` naming the field the engine would refuse. Not done at parse time:
+        only precise prefix matching needs it, and reading it costs about as much as the parse.
+        """
+        if self.kind == "chat":
+            return ChatPrompt.from_body(self.payload)
+        if self.kind == "completion":
+            return CompletionPrompt.from_body(self.payload)
+        return None
 
 
 def parse_request(body: bytes, *, path: str) -> InferenceRequest:
@@ -163,23 +172,12 @@ def read_request(path: str, payload: object) -> InferenceRequest:
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' must be a non-empty string", param="model")
     kind: RequestKind = "chat" if path == CHAT_PATH else "completion" if path == COMPLETIONS_PATH else "other"
-    prompt: Prompt | None = None
-    prompt_error: str | None = None
-    try:
-        if kind == "chat":
-            prompt = ChatPrompt.from_body(payload)
-        elif kind == "completion":
-            prompt = CompletionPrompt.from_body(payload)
-    except BadRequest as exc:
-        prompt_error = exc.message
     return InferenceRequest(
         path=path,
         kind=kind,
         model=model,
         stream=payload.get("stream") is True,
         max_tokens=_max_tokens(payload),
-        prompt=prompt,
-        prompt_error=prompt_error,
         prefix_text=prefix_text(kind, payload),
         payload=payload,
     )

@@ -124,12 +124,11 @@ def test_chat_request_is_typed() -> None:
     }
     request = parse_request(orjson.dumps(body), path="/v1/chat/completions")
     assert (request.kind, request.model, request.stream, request.max_tokens) == ("chat", "chat", True, 64)
-    assert request.prompt == ChatPrompt(
+    assert request.read_prompt() == ChatPrompt(
         messages=({"role": "user", "content": "Hi"},),
         tools=({"type": "function", "function": {"name": "f"}},),
         chat_template_kwargs={"enable_thinking": False},
     )
-    assert request.prompt_error is None
     assert request.prefix_text == "<user>Hi"
 
 
@@ -141,7 +140,7 @@ def test_chat_request_is_typed() -> None:
 def test_completion_prompt_is_typed(prompt: Any, expected: str | tuple[int, ...]) -> None:
     """A completions prompt is text or token ids, a batch of one unwrapped."""
     request = read_request("/v1/completions", {"model": "m", "prompt": prompt})
-    assert request.kind == "completion" and request.prompt == CompletionPrompt(expected)
+    assert request.kind == "completion" and request.read_prompt() == CompletionPrompt(expected)
 
 
 @pytest.mark.parametrize(
@@ -173,24 +172,24 @@ def test_completion_prompt_is_typed(prompt: Any, expected: str | tuple[int, ...]
         "number",
     ],
 )
-def test_unreadable_prompts_route_with_a_reason(path: str, body: dict[str, Any], error: str) -> None:
-    """A prompt the engine would refuse is not a routing error: no prompt, and the reason kept."""
+def test_unreadable_prompts_are_bad_requests_only_when_read(
+    path: str, body: dict[str, Any], error: str
+) -> None:
+    """The request parses (routing needs only the model); reading its prompt names the bad field."""
     request = read_request(path, {"model": "m", **body})
-    assert request.prompt is None
-    assert request.prompt_error is not None and error in request.prompt_error
+    assert request.model == "m"
     with pytest.raises(BadRequest, match=re.escape(error)):
-        (ChatPrompt if path == "/v1/chat/completions" else CompletionPrompt).from_body(body)
+        request.read_prompt()
 
 
 def test_other_paths_have_no_prompt() -> None:
     """Embeddings and the like are routed by model; messages still give approximate text."""
     request = read_request("/v1/embeddings", {"model": "m", "input": "x"})
-    assert (request.kind, request.prompt, request.prompt_error, request.prefix_text) == (
-        "other",
-        None,
-        None,
-        None,
+    assert (request.kind, request.read_prompt(), request.prefix_text) == ("other", None, None)
+    with_messages = read_request(
+        "/v1/embeddings", {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     )
+    assert with_messages.prefix_text == "<user>x"
 
 
 @pytest.mark.parametrize(

@@ -118,19 +118,13 @@ class PrefixScorer:
         tokenizer = self.tokenizers.get(model)
         if tokenizer is None or model in self.blocked():
             return None
-        if request.prompt is None:
-            if request.prompt_error is not None:
-                self._tokenize_error(model, request.prompt_error)
-            return None
         try:
-            return tokenizer.prompt_ids(request.prompt)
+            prompt = request.read_prompt()
+            return None if prompt is None else tokenizer.prompt_ids(prompt)
         except BadRequest as exc:
-            self._tokenize_error(model, exc.message)
+            self.counters.tokenize_errors += 1
+            log.debug("prompt not tokenized model=%s error=%s", model, exc.message)
             return None
-
-    def _tokenize_error(self, model: str, message: str) -> None:
-        self.counters.tokenize_errors += 1
-        log.debug("prompt not tokenized model=%s error=%s", model, message)
 
     def _match_precise(
         self,

@@ -151,7 +151,7 @@ def prompt_ids(server: Server, body: Mapping[str, Any], path: str = CHAT) -> lis
     """The token ids the router computes for ``body`` (with its own tokenizer and template)."""
     tokenizer = server.prefix.tokenizers.get(LLAMA)
     assert tokenizer is not None
-    prompt = read_request(path, dict(body)).prompt
+    prompt = read_request(path, dict(body)).read_prompt()
     assert prompt is not None
     ids = tokenizer.prompt_ids(prompt)
     assert ids is not None

@@ -229,7 +229,7 @@ async def test_router_ids_equal_the_engines(
     template = engine.settings.chat_template
     assert template is not None
     body = {"model": LLAMA, **case}
-    prompt = read_request(path, body).prompt
+    prompt = read_request(path, body).read_prompt()
     assert prompt is not None
     ours = registry(template).prompt_ids(prompt)
     assert ours is not None and len(ours) > 0
@@ -246,7 +246,7 @@ def test_the_cases_exercise_what_they_claim() -> None:
     paths = {name: path for name, path, _ in CASES}
 
     def ids(tok: ModelTokenizer, name: str, **override: Any) -> list[int]:
-        prompt = read_request(paths[name], {**bodies[name], **override}).prompt
+        prompt = read_request(paths[name], {**bodies[name], **override}).read_prompt()
         assert prompt is not None
         got = tok.prompt_ids(prompt)
         assert got is not None
