@@ -36,6 +36,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--source-poll-interval", type=float, default=1.0, help="seconds between file checks (1)")
     p.add_argument(
+        "--max-catalog-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        help="largest catalog file read; a larger one is refused and the last good catalog kept (16 MiB)",
+    )
+    p.add_argument(
         "--namespaces",
         default=None,
         metavar="NS[,NS...]",
@@ -66,8 +72,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--max-fallbacks",
         type=int,
-        default=2,
-        help="fallback endpoints after the pick (2); use 0 behind an ORIGINAL_DST cluster",
+        default=0,
+        help="fallback endpoints after the pick (0: works with every cluster type); 2 behind override_host "
+        "makes retries follow the ranking",
     )
     p.add_argument("--drain-seconds", type=float, default=5.0, help="grace for open streams on stop (5)")
     p.add_argument("--seed", type=int, default=None, help="seed tie-breaking randomness (for tests)")
@@ -130,6 +137,7 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
         source=SourceSettings.parse(
             args.source,
             poll_interval=args.source_poll_interval,
+            max_bytes=args.max_catalog_bytes,
             namespaces=args.namespaces,
             kubeconfig=args.kubeconfig,
         ),

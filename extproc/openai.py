@@ -14,6 +14,7 @@ request approximately, so the engine answers the client itself.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -231,11 +232,58 @@ def flag(body: Mapping[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-def rewrite_model(request: InferenceRequest, upstream_model: str) -> bytes:
-    """The body with ``model`` replaced, every other field kept as the client sent it."""
+def rewrite_model(request: InferenceRequest, upstream_model: str, body: bytes) -> bytes:
+    """``body`` (the request's raw bytes) with ``model`` replaced, every other field kept.
+
+    Re-serializing the decoded body is the fast path. orjson reads up to 1,023 levels of nesting
+    but writes only 254, so a deeper body (valid, and routed fine under its upstream name) has its
+    top-level ``model`` value spliced in place instead, every other byte as the client sent it.
+    """
     payload = dict(request.payload)
     payload["model"] = upstream_model
-    return orjson.dumps(payload)
+    try:
+        return orjson.dumps(payload)
+    except orjson.JSONEncodeError:
+        return splice_model(body, upstream_model)
+
+
+#: JSON strings and brackets: enough to walk a document's nesting without decoding its values.
+_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+_JSON_SPACE = b" \t\r\n"
+
+
+def splice_model(body: bytes, upstream_model: str) -> bytes:
+    """Replace the value of every top-level ``"model"`` member of a JSON object body (pure).
+
+    The body must be valid JSON (it was decoded already): strings and brackets are the only tokens
+    that matter for finding top-level members, so a regex pass finds them without recursion.
+    """
+    replacement = orjson.dumps(upstream_model)
+    spans: list[tuple[int, int]] = []
+    depth = 0
+    key_is_model = False
+    for token in _JSON_TOKENS.finditer(body):
+        text = token.group()
+        if text in (b"{", b"["):
+            depth, key_is_model = depth + 1, False
+        elif text in (b"}", b"]"):
+            depth -= 1
+        elif depth == 1:
+            if key_is_model and _neighbour(body, token.start() - 1, -1) == b":":
+                spans.append(token.span())  # the value of a "model" key
+                key_is_model = False
+            elif _neighbour(body, token.end(), 1) == b":":
+                key_is_model = orjson.loads(text) == "model"
+    for start, end in reversed(spans):
+        body = body[:start] + replacement + body[end:]
+    return body
+
+
+def _neighbour(body: bytes, at: int, step: int) -> bytes:
+    """The first byte from ``at`` in direction ``step`` that is not JSON white space (b"" if none)."""
+    while 0 <= at < len(body) and body[at] in _JSON_SPACE:
+        at += step
+    return body[at : at + 1] if 0 <= at < len(body) else b""
 
 
 def models_list(entries: list[tuple[str, str]]) -> bytes:

@@ -57,6 +57,9 @@ class SourceSettings:
     path: Path | None = None
     #: Seconds between checks of the file for changes. Default 1 s.
     poll_interval: float = 1.0
+    #: ``file``: the largest catalog file read, in bytes; a larger one is refused. Default 16 MiB
+    #: (a 2,000-Service cluster's objects take 3-6 MB).
+    max_bytes: int = 16 * 1024 * 1024
     #: ``kube``: the namespaces to watch; None (the default) watches all namespaces.
     namespaces: tuple[str, ...] | None = None
     #: ``kube``: a kubeconfig file; None = in-cluster credentials when ``KUBERNETES_SERVICE_HOST``
@@ -72,6 +75,8 @@ class SourceSettings:
             raise ConfigError("--namespaces and --kubeconfig apply to --source kube only")
         if self.poll_interval <= 0:
             raise ConfigError(f"--source-poll-interval must be positive, got {self.poll_interval}")
+        if self.max_bytes < 1:
+            raise ConfigError(f"--max-catalog-bytes must be at least 1, got {self.max_bytes}")
         check_namespaces(self.namespaces)
 
     @classmethod
@@ -82,6 +87,7 @@ class SourceSettings:
         poll_interval: float = 1.0,
         namespaces: str | None = None,
         kubeconfig: Path | None = None,
+        max_bytes: int = 16 * 1024 * 1024,
     ) -> SourceSettings:
         """``file:PATH`` or ``kube``; ``namespaces`` is the ``--namespaces a,b`` text."""
         listed = parse_namespaces(namespaces)
@@ -91,7 +97,12 @@ class SourceSettings:
         if kind != "file" or not sep or not rest:
             raise ConfigError(f"--source: expected file:PATH or kube, got {spec!r}")
         return cls(
-            kind=kind, path=Path(rest), poll_interval=poll_interval, namespaces=listed, kubeconfig=kubeconfig
+            kind=kind,
+            path=Path(rest),
+            poll_interval=poll_interval,
+            namespaces=listed,
+            kubeconfig=kubeconfig,
+            max_bytes=max_bytes,
         )
 
 
@@ -165,8 +176,9 @@ class ServeSettings:
     max_buffered_bytes: int = 256 * 1024 * 1024
     #: How many fallback endpoints follow the pick in ``x-gateway-destination-endpoint``.
     #: Envoy's override_host policy walks the list on retry; ORIGINAL_DST clusters accept a
-    #: single address only, so they need 0. Default 2.
-    max_fallbacks: int = 2
+    #: single address only (a list gets 503), and the endpoint-picker protocol requires the header
+    #: and the ``envoy.lb`` metadata to hold the same value. Default 0: works behind either.
+    max_fallbacks: int = 0
     #: Seed for tie-breaking randomness; None for a random seed. Tests and benchmarks set it.
     seed: int | None = None
     #: Seconds to let in-flight streams finish on shutdown.

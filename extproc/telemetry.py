@@ -8,6 +8,7 @@ itself, so they can never drift from it.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
@@ -91,6 +92,17 @@ class Metrics:
             ["result"],
             registry=self.registry,
         )
+
+
+#: Characters that could end or forge a log line, or hide what follows.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\u2028\u2029]")
+
+
+def clip(text: str, limit: int = 200) -> str:
+    """Client-supplied text made safe for one log line: control characters escaped, length bounded."""
+    if len(text) > limit:
+        text = f"{text[:limit]}...({len(text) - limit} more characters)"
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def configure_logging(level: str) -> None:

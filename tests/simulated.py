@@ -33,7 +33,8 @@ async def simulated_engines() -> AsyncIterator[StartSim]:
         if isinstance(engine, dict):
             engine = dataclasses.replace(SMALL_ENGINE, **engine)
         fields.setdefault("time_scale", 0.01)
-        server = SimServer(SimSettings(listen="127.0.0.1:0", engine=engine, **fields))
+        fields.setdefault("listen", "127.0.0.1:0")
+        server = SimServer(SimSettings(engine=engine, **fields))
         await server.start()
         started.append(server)
         return server

@@ -17,6 +17,7 @@ from extproc.openai import (
     parse_request,
     read_request,
     rewrite_model,
+    splice_model,
 )
 
 PARTS = [{"type": "text", "text": "Look "}, {"type": "image_url"}, {"text": "here"}]
@@ -214,4 +215,46 @@ def test_rewrite_keeps_every_other_field() -> None:
     """The alias rewrite changes ``model`` and nothing else."""
     body = {"model": "chat", "messages": [{"role": "user", "content": "é"}], "x": {"y": [1, None]}}
     request = read_request("/v1/chat/completions", body)
-    assert orjson.loads(rewrite_model(request, "meta/llama")) == {**body, "model": "meta/llama"}
+    rewritten = rewrite_model(request, "meta/llama", orjson.dumps(body))
+    assert orjson.loads(rewritten) == {**body, "model": "meta/llama"}
+
+
+@pytest.mark.parametrize("depth", [254, 300, 1000], ids=["orjson-limit", "past-it", "near-the-read-limit"])
+def test_rewrite_of_deeply_nested_bodies(depth: int) -> None:
+    """A body orjson can read but not write (255-1023 levels) is rewritten in place, not a 500."""
+    raw = b'{"model": "chat", "messages": [{"role": "user", "content": "x"}], "x": ' + b"[" * depth
+    raw += b"]" * depth + b"}"
+    request = parse_request(raw, path="/v1/chat/completions")
+    rewritten = rewrite_model(request, "meta/llama", raw)
+    decoded = orjson.loads(rewritten)
+    assert decoded["model"] == "meta/llama" and decoded["messages"] == request.payload["messages"]
+    assert rewritten.replace(b'"meta/llama"', b'"chat"') == raw  # every other byte as sent
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (b'{"model":"a"}', b'{"model":"up"}'),
+        (b'{ "model" :\n "a" , "n": 1}', b'{ "model" :\n "up" , "n": 1}'),
+        (b'{"x": {"model": "inner"}, "model": "a"}', b'{"x": {"model": "inner"}, "model": "up"}'),
+        (
+            b'{"s": "say \\"model\\": \\"no\\"", "model": "a"}',
+            b'{"s": "say \\"model\\": \\"no\\"", "model": "up"}',
+        ),
+        (b'{"model": 5, "x": "model", "model": "a"}', b'{"model": 5, "x": "model", "model": "up"}'),
+        (b'{"model": "a", "model": "b"}', b'{"model": "up", "model": "up"}'),
+        (b'{"mod\\u0065l": "a"}', b'{"mod\\u0065l": "up"}'),
+    ],
+    ids=[
+        "plain",
+        "white-space",
+        "nested-untouched",
+        "in-a-string",
+        "non-string-earlier",
+        "duplicates",
+        "escaped-key",
+    ],
+)
+def test_splice_replaces_only_top_level_model_values(raw: bytes, expected: bytes) -> None:
+    """Only the top-level "model" members' string values change, however the JSON is spelled."""
+    assert splice_model(raw, "up") == expected

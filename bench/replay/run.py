@@ -60,7 +60,8 @@ from extproc.tokenize.registry import SHIPPED_TOKENIZER
 log = logging.getLogger("bench.replay")
 
 REPO = Path(__file__).resolve().parents[2]
-TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+#: The shared traces live beside the repository (``../shared/traces``), as the project lays them out.
+TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 MODEL = "mooncake-replay"
 PATH = "/v1/completions"
 
@@ -489,7 +490,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--only", nargs="*", help="run only the policies whose names start with these")
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--out", type=Path, default=REPO / "bench/results/replay.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.trace.is_file():
+        p.error(f"no trace at {args.trace}: pass --trace PATH (a Mooncake-format .jsonl)")
+    return args
 
 
 async def amain(args: argparse.Namespace) -> dict[str, Any]:

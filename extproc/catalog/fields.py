@@ -38,8 +38,42 @@ class FieldError(ExtprocError):
 
 
 def show(value: Any) -> str:
-    """JSON-ish, as the user wrote it in YAML: strings quoted, booleans lower-case, cut at 80."""
-    text = json.dumps(value, default=str, ensure_ascii=False)
+    """JSON-ish, as the user wrote it in YAML: strings quoted, booleans lower-case, cut at 80.
+
+    Only what is shown is ever serialized: the walk stops once 80 characters are written, so a huge
+    value (or one that YAML aliases make exponentially large) costs no more than a small one.
+    """
+    pieces: list[str] = []
+    room = _SHOW_MAX + 1
+
+    def put(text: str) -> bool:
+        """Append; True once there is no room left (the caller stops walking)."""
+        nonlocal room
+        pieces.append(text[:room])
+        room -= len(pieces[-1])
+        return room <= 0
+
+    def walk(item: Any) -> bool:
+        if isinstance(item, Mapping):
+            if put("{"):
+                return True
+            for n, (key, inner) in enumerate(item.items()):
+                if (n and put(", ")) or walk(str(key)) or put(": ") or walk(inner):
+                    return True
+            return put("}")
+        if isinstance(item, list | tuple):
+            if put("["):
+                return True
+            for n, inner in enumerate(item):
+                if (n and put(", ")) or walk(inner):
+                    return True
+            return put("]")
+        if isinstance(item, str):
+            item = item[:room]  # a long string is cut before it is escaped
+        return put(json.dumps(item, default=str, ensure_ascii=False))
+
+    walk(value)
+    text = "".join(pieces)
     return text if len(text) <= _SHOW_MAX else text[: _SHOW_MAX - 3] + "..."
 
 

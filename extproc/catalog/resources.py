@@ -160,6 +160,11 @@ def iter_objects(document: Any) -> Iterator[Any]:
         yield from iter_objects(item)
 
 
+def is_catalog_object(obj: Any) -> bool:
+    """Whether ``obj`` claims to be one of the kinds the catalog is built from (valid or not)."""
+    return isinstance(obj, Mapping) and (str(obj.get("apiVersion")), obj.get("kind")) in _PARSERS
+
+
 def parse_object(obj: Any) -> Resource:
     """Dispatch on apiVersion/kind; anything else is an :class:`UnsupportedKind`."""
     if not isinstance(obj, Mapping):

@@ -123,6 +123,8 @@ class Demo:
             listen=f"{HOST}:{self.options.grpc_port}",
             admin_listen=f"{HOST}:0",
             drain_seconds=1.0,
+            # The shipped gateway.yaml uses override_host with two retries: let them follow the ranking.
+            max_fallbacks=2,
             prefix=PrefixSettings(tokenizers=tokenizers),
         )
 

@@ -308,7 +308,7 @@ class ModelDiscovery(EndpointPoller):
         if result is None:
             assert error is not None
             state.failures += 1
-            state.error, state.error_at = error, now
+            state.error, state.error_at = str(error), now
             state.due = now + min(state.interval, FAILURE_RETRY)
             self.warn_sometimes(address, error)
             return False

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import aiohttp
@@ -31,6 +32,18 @@ LOG_INTERVAL = 60.0
 MAX_CONCURRENCY = 64
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class AskFailure:
+    """Why asking an endpoint gave no usable answer."""
+
+    message: str
+    #: Nothing took the connection (refused, reset, unreachable): the engine is likely down, not slow.
+    unreachable: bool = False
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class EndpointPoller:
@@ -113,7 +126,7 @@ class EndpointPoller:
         parse: Callable[[bytes], T],
         error: type[Exception],
         parse_errors: tuple[type[Exception], ...] = (),
-    ) -> tuple[T, None] | tuple[None, str]:
+    ) -> tuple[T, None] | tuple[None, AskFailure]:
         """GET ``url`` and ``parse`` the body: ``(parsed, None)``, or ``(None, what went wrong)``.
 
         ``error`` is the poller's own failure type (raised for a bad status or an oversized body, and
@@ -129,19 +142,22 @@ class EndpointPoller:
                     )
             return parse(body), None
         except TimeoutError:
-            return None, f"no answer within {self.timeout:g}s"
+            return None, AskFailure(f"no answer within {self.timeout:g}s")
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionError) as exc:
+            return None, AskFailure(f"{type(exc).__name__}: {exc}", unreachable=True)
         except aiohttp.ClientError as exc:
-            return None, f"{type(exc).__name__}: {exc}"
+            return None, AskFailure(f"{type(exc).__name__}: {exc}")
         except (error, *parse_errors) as exc:
-            return None, str(exc)
+            return None, AskFailure(str(exc))
         except Exception as exc:
             log.exception("%s failed endpoint=%s", self.what, address)
-            return None, f"unexpected {type(exc).__name__}: {exc}"
+            return None, AskFailure(f"unexpected {type(exc).__name__}: {exc}")
 
-    def warn_sometimes(self, address: EndpointAddress, error: str) -> None:
+    def warn_sometimes(self, address: EndpointAddress, error: AskFailure | str) -> None:
         """Log a failure, at most once per endpoint and kind of failure per :data:`LOG_INTERVAL`."""
-        if self._log_limiter.allow(address, error.split(":", 1)[0]):
-            log.warning("%s failed endpoint=%s error=%s", self.what, address, error)
+        text = str(error)
+        if self._log_limiter.allow(address, text.split(":", 1)[0]):
+            log.warning("%s failed endpoint=%s error=%s", self.what, address, text)
 
     def forget(self, address: EndpointAddress) -> None:
         """The endpoint left: its warning history goes with it."""

@@ -71,6 +71,8 @@ class _State:
     error_at: float | None = None
     scrapes: int = 0
     failures: int = 0
+    #: The latest scrape found nothing listening (refused, reset): the engine is probably gone.
+    unreachable: bool = False
 
 
 def metrics_urls(catalog: Catalog) -> dict[EndpointAddress, str]:
@@ -102,6 +104,7 @@ class EngineScraper(EndpointPoller):
         session: aiohttp.ClientSession | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_response_bytes: int = MAX_RESPONSE_BYTES,
+        on_unreachable: Callable[[EndpointAddress], None] = lambda _address: None,
     ) -> None:
         if not interval > 0:
             raise ValueError(f"interval must be positive, got {interval}")
@@ -110,6 +113,8 @@ class EngineScraper(EndpointPoller):
         self.interval = interval
         self._max_bytes = max_response_bytes
         self._states: dict[EndpointAddress, _State] = {}
+        #: Called once when an endpoint turns unreachable (e.g. to drop what its cache was thought to hold).
+        self._on_unreachable = on_unreachable
         self.rounds = 0
         self._unsubscribe = store.subscribe(self._follow)
         self._follow(store.current)
@@ -126,6 +131,15 @@ class EngineScraper(EndpointPoller):
         if self._clock() - state.scraped_at > STALE_INTERVALS * self.interval:
             return None
         return state.signals
+
+    def reachable(self, address: EndpointAddress) -> bool:
+        """False while the endpoint's latest scrape found nothing listening (its process is gone).
+
+        Unknown endpoints and slow or failing-but-answering ones count as reachable: only a refused
+        or reset connection is evidence enough to stop sending traffic there.
+        """
+        state = self._states.get(address)
+        return state is None or not state.unreachable
 
     def snapshot(self) -> Mapping[EndpointAddress, EndpointSignals]:
         """Every endpoint of the current catalog, with staleness judged now."""
@@ -155,6 +169,7 @@ class EngineScraper(EndpointPoller):
                 "stale": entry.stale,
                 "ageSeconds": None if entry.age is None else round(entry.age, 3),
                 "error": entry.error,
+                "unreachable": state.unreachable,
                 "scrapes": state.scrapes,
                 "failures": state.failures,
                 "signals": None if entry.signals is None else entry.signals.to_debug(),
@@ -208,7 +223,15 @@ class EngineScraper(EndpointPoller):
             if state.error is not None:
                 log.info("engine metrics recovered endpoint=%s", address)
             state.signals, state.scraped_at, state.error, state.error_at = signals, now, None, None
+            state.unreachable = False
             return
         state.failures += 1
-        state.error, state.error_at = error, now
+        state.error, state.error_at = str(error), now
         self.warn_sometimes(address, error)
+        if error.unreachable and not state.unreachable:
+            state.unreachable = True
+            log.warning("engine unreachable, routed around until it answers endpoint=%s", address)
+            try:
+                self._on_unreachable(address)
+            except Exception:
+                log.exception("on_unreachable failed endpoint=%s", address)

@@ -73,7 +73,8 @@ class IndexIngest:
     def on_reset(self, source: Source, reason: str) -> None:
         self.counters.resets += 1
         self.health.setdefault(source, SourceHealth()).last_reset = reason
-        log.info("kv source reset source=%s reason=%s", source, reason)
+        if self._log_limiter.allow(source, "reset"):
+            log.info("kv source reset source=%s reason=%s", source, reason)
         if source in self.index.sources():
             self.index.clear_source(source)
 
@@ -83,7 +84,9 @@ class IndexIngest:
         if source in self.index.sources():
             self.index.set_complete(source, complete)
         if not complete:
-            log.warning("kv source incomplete source=%s reason=%s", source, reason)
+            self._log_sometimes(
+                source, "incomplete", "kv source incomplete source=%s reason=%s", source, reason
+            )
 
     def forget(self, source: Source) -> None:
         """The source left the catalog: drop what we kept about it."""

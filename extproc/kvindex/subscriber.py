@@ -51,6 +51,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from extproc.kvindex.events import Source
+from extproc.telemetry import LogLimiter
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,8 @@ class SubscriberCounters:
     disconnects: int = 0
     #: Sessions libzmq gave up on (protocol errors) and we dialed again.
     redials: int = 0
+    #: Reconnects after which the replay socket was asked whether the engine restarted.
+    reconnect_checks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +200,10 @@ class KVEventSubscriber:
         self._connected = False
         self._last_message_at: float | None = None
         self._logged: set[str] = set()
+        #: Set by :meth:`request_resync`; the task resets before its next message.
+        self._resync: str | None = None
+        #: Resets and losses repeat as fast as a broken publisher sends: one line per kind a minute.
+        self._log_limiter: LogLimiter[str] = LogLimiter(time.monotonic)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -284,8 +291,9 @@ class KVEventSubscriber:
             ready = dict(await poller.poll(None if due is None else max(0, round((due - loop.time()) * 1e3))))
             if due is not None and due == self._redial_at and loop.time() >= due:
                 self._redial(sub)
-            if monitor in ready:  # first: a disconnect must be known before the next message
-                self._on_monitor_event(await monitor.recv_multipart())
+            # Monitor first: a disconnect must be known before the next message.
+            if monitor in ready and self._on_monitor_event(await monitor.recv_multipart()):
+                await self._check_incarnation()
             if sub in ready:
                 frames = await sub.recv_multipart()
                 try:
@@ -294,7 +302,8 @@ class KVEventSubscriber:
                     self._counts.internal_errors += 1
                     self._log_once(f"internal:{type(exc).__name__}", "kv subscriber error", exc)
 
-    def _on_monitor_event(self, frames: list[bytes]) -> None:
+    def _on_monitor_event(self, frames: list[bytes]) -> bool:
+        """Track the connection; True when it came back after a disconnect (worth a check)."""
         event = parse_monitor_message(frames)["event"]
         if event in _DIALING_EVENTS:
             self._redial_at = None
@@ -302,12 +311,37 @@ class KVEventSubscriber:
             self._connected = True
             self._counts.connections += 1
             log.info("kv subscriber connected source=%s pub=%s", self.source, self.pub_address)
+            return self._verify_next
         elif event == zmq.EVENT_DISCONNECTED:
             self._connected = False
             self._counts.disconnects += 1
             self._verify_next = self._expected is not None
             self._redial_at = asyncio.get_running_loop().time() + self._opts.reconnect_interval_max
             log.info("kv subscriber disconnected source=%s pub=%s", self.source, self.pub_address)
+        return False
+
+    async def _check_incarnation(self) -> None:
+        """Right after a reconnect, ask the replay socket whether this is still the same engine.
+
+        A restarted engine that stays idle publishes nothing, so without this its old blocks would
+        keep steering traffic until its first batch. The publisher still buffers the last batch we
+        delivered (the anchor) unless it restarted: an empty replay, or a different anchor, is a
+        restart. A failed replay tells nothing; the next live message is verified as before.
+        """
+        if self.replay_address is None or self._expected is None or self._expected == 0:
+            return
+        ask = self._expected - 1
+        self._counts.reconnect_checks += 1
+        replayed, cause = await self._fetch(self.replay_address, ask)
+        if cause is not None:
+            return
+        first = replayed[0] if replayed else None
+        if first is None:
+            self._reset(f"publisher restarted (its replay buffer no longer holds seq {ask})")
+        elif first.seq == ask and first.digest != self._anchor:
+            self._reset(f"publisher restarted (replayed seq {ask} differs from the one delivered)")
+        elif first.seq == ask:
+            self._verify_next = False  # the same engine: its next message needs no second check
 
     def _redial(self, sub: zmq.asyncio.Socket) -> None:
         """Dial again: after a protocol error (a frame over ZMQ_MAXMSGSIZE, a bad handshake) libzmq
@@ -319,7 +353,15 @@ class KVEventSubscriber:
             sub.disconnect(self.pub_address)
         sub.connect(self.pub_address)
 
+    def request_resync(self, reason: str) -> None:
+        """Start over from seq 0 at the next message (the stream's own task does it, in order)."""
+        self._resync = reason
+
     async def _on_message(self, frames: list[bytes]) -> None:
+        if self._resync is not None:
+            # The sink was reset when the resync was asked for; only our position is left to drop.
+            reason, self._resync = self._resync, None
+            self._start_over(reason)
         self._counts.received += 1
         self._last_message_at = self._clock()
         if len(frames) != 3 or len(frames[1]) != 8 or frames[1] == END_SEQ:
@@ -397,16 +439,28 @@ class KVEventSubscriber:
 
     def _reset(self, reason: str) -> None:
         self._counts.restarts += 1
-        log.warning("kv source reset source=%s reason=%r", self.source, reason)
+        if self._log_limiter.allow("reset", ""):
+            log.warning("kv source reset source=%s reason=%r", self.source, reason)
+        self._start_over(reason)
+        self._notify("on_reset", self._sink.on_reset, self.source, reason)
+
+    def _start_over(self, reason: str) -> None:
+        """Forget the stream's position: the next message is handled as a first one."""
         self._expected = self._anchor = None
         self._ahead.clear()
         self._verify_next = False
         self._complete, self._reason = None, reason
-        self._notify("on_reset", self._sink.on_reset, self.source, reason)
 
     def _lose(self, count: int, reason: str) -> None:
         self._counts.lost += count
-        log.warning("kv batches lost source=%s count=%d reason=%r", self.source, count, reason)
+        if self._log_limiter.allow("lost", ""):
+            log.warning(
+                "kv batches lost source=%s count=%d reason=%r (at most one such line a minute; "
+                "totals in extproc_kv_* metrics)",
+                self.source,
+                count,
+                reason,
+            )
         self._set_complete(False, reason)
 
     def _set_complete(self, complete: bool, reason: str) -> None:

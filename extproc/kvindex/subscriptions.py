@@ -125,6 +125,19 @@ class KVSubscriptions:
             running, self._running = self._running, {}
             await asyncio.gather(*(sub.close() for _, sub in running.values()))
 
+    def resync(self, endpoint: str, reason: str) -> list[Source]:
+        """Forget what ``endpoint``'s sources published: the sink is reset now, and each subscriber
+        starts over (replay from seq 0) at its next message. For an engine that is gone: its blocks
+        must stop steering traffic at once, and a new incarnation must not be spliced onto it."""
+        sources = [source for source in self._running if source.endpoint == endpoint]
+        for source in sources:
+            self._running[source][1].request_resync(reason)
+            try:
+                self._sink.on_reset(source, reason)
+            except Exception:
+                log.exception("kv sink failed method=on_reset source=%s", source)
+        return sources
+
     def stats(self) -> dict[Source, SubscriberStats]:
         """Each running subscriber's snapshot."""
         return {source: sub.stats() for source, (_, sub) in self._running.items()}

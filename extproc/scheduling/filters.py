@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from extproc.catalog.model import Catalog, Endpoint, Route
 from extproc.errors import BadRequest, NoReadyEndpoint
 from extproc.scheduling.prefix import NO_MATCH, PrefixMatch
+from extproc.types import EndpointAddress
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,8 @@ class FilterContext:
     max_tokens: int | None
     #: NO_MATCH before the prefix lookup.
     prefix: PrefixMatch = NO_MATCH
+    #: False for an endpoint whose process is gone (nothing listens); from the engine scraper.
+    reachable: Callable[[EndpointAddress], bool] = lambda _address: True
 
 
 def wanted(route: Route | None) -> str:
@@ -40,6 +43,16 @@ def wanted(route: Route | None) -> str:
 
 
 Filter = Callable[[FilterContext, Sequence[Endpoint]], Sequence[Endpoint]]
+
+
+def reachable(context: FilterContext, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
+    """Candidates whose process still listens; all of them if none does.
+
+    Our view of health must never turn a request away on its own: with every candidate down the
+    data plane's retries (and its own 503) decide, as they would without us.
+    """
+    alive = [e for e in candidates if context.reachable(e.address)]
+    return alive if alive else candidates
 
 
 def subset_hint(context: FilterContext, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
@@ -78,5 +91,5 @@ def context_window(context: FilterContext, candidates: Sequence[Endpoint]) -> Se
 
 
 #: The filters every request passes, in order, before and after the prefix lookup.
-BEFORE_MATCH: tuple[Filter, ...] = (subset_hint,)
+BEFORE_MATCH: tuple[Filter, ...] = (subset_hint, reachable)
 AFTER_MATCH: tuple[Filter, ...] = (context_window,)

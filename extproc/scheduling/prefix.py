@@ -17,6 +17,7 @@ and the request falls back to approximate: routing never refuses what the engine
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -28,6 +29,7 @@ from extproc.kvindex.events import Source
 from extproc.kvindex.index import PrefixIndex
 from extproc.kvindex.keys import block_keys, namespace_seed
 from extproc.openai import InferenceRequest
+from extproc.telemetry import LogLimiter
 from extproc.tokenize.registry import TokenizerRegistry
 from extproc.types import EndpointAddress
 
@@ -79,6 +81,7 @@ class PrefixScorer:
         #: Models whose tokenizer disagrees with their engines (tokenizer parity): routed approximately.
         self.blocked = blocked
         self.counters = PrefixCounters()
+        self._log_limiter: LogLimiter[str] = LogLimiter(time.monotonic)
 
     def match(
         self, catalog: Catalog, route: Route, request: InferenceRequest, candidates: Sequence[Endpoint]
@@ -124,7 +127,13 @@ class PrefixScorer:
         except BadRequest as exc:
             self.counters.tokenize_errors += 1
             log.debug("prompt not tokenized model=%s error=%s", model, exc.message)
-            return None
+        except Exception as exc:
+            # A tokenizer or template failing on a body we did not foresee is our bug, but the
+            # engine may still accept the request: route it approximately, never answer 500.
+            self.counters.tokenize_errors += 1
+            if self._log_limiter.allow(model, type(exc).__name__):
+                log.exception("tokenizing a prompt failed (routed approximately) model=%s", model)
+        return None
 
     def _match_precise(
         self,

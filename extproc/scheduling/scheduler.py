@@ -4,7 +4,8 @@ The pipeline, once per request:
 
 1. **resolve**: the catalog's route for the model (its ready endpoints serving it), or every
    endpoint for a request without a model;
-2. **filter** what needs only the request (:mod:`extproc.scheduling.filters`: the subset hint);
+2. **filter** what needs only the request (:mod:`extproc.scheduling.filters`: the subset hint,
+   endpoints whose process is gone);
 3. **produce** the prefix match (:mod:`extproc.scheduling.prefix`), then **filter** what needs it
    (context window), then one :class:`~extproc.scheduling.policy.Candidate` per endpoint with load
    and engine signals;
@@ -30,6 +31,7 @@ from extproc.scheduling.least_in_flight import LeastInFlight
 from extproc.scheduling.policy import Candidate, Policy, RequestFacts
 from extproc.scheduling.prefix import NO_MATCH, PrefixMatch, PrefixScorer
 from extproc.scheduling.signals import EngineSignals
+from extproc.telemetry import clip
 from extproc.types import EndpointAddress
 
 #: Requests without a model have no prompt to match and no model to predict for: spread by load.
@@ -71,6 +73,7 @@ class Scheduler:
         prefix: PrefixScorer | None = None,
         policy: Policy | None = None,
         signals: Callable[[EndpointAddress], EngineSignals | None] | None = None,
+        reachable: Callable[[EndpointAddress], bool] | None = None,
     ) -> None:
         self._catalog = catalog
         self._inflight = inflight
@@ -79,6 +82,7 @@ class Scheduler:
         self._prefix = prefix
         self.policy: Policy = policy or CacheThenLoad()
         self._signals = signals or (lambda _address: None)
+        self._reachable = reachable or (lambda _address: True)
 
     def schedule(self, request: InferenceRequest | None, subset: frozenset[str] | None = None) -> Decision:
         """Decide for ``request`` (None: a request without a body, for any endpoint of any worker set).
@@ -93,17 +97,18 @@ class Scheduler:
         else:
             route = catalog.resolve(request.model)
             if route is None:
-                raise ModelNotFound(f"The model '{request.model}' does not exist.", param="model")
+                # Clipped: the name is the client's, and may be a megabyte long.
+                raise ModelNotFound(f"The model '{clip(request.model, 256)}' does not exist.", param="model")
             endpoints = route.endpoints
         if not endpoints:
             raise NoReadyEndpoint(f"no ready endpoint serves {wanted(route)}")
         max_tokens = None if request is None else request.max_tokens
-        context = FilterContext(catalog, route, subset, max_tokens)
+        context = FilterContext(catalog, route, subset, max_tokens, reachable=self._reachable)
         for keep in BEFORE_MATCH:
             endpoints = keep(context, endpoints)
         if route is not None and request is not None and self._prefix is not None:
             match = self._prefix.match(catalog, route, request, endpoints)
-            context = FilterContext(catalog, route, subset, max_tokens, match)
+            context = FilterContext(catalog, route, subset, max_tokens, match, self._reachable)
         for keep in AFTER_MATCH:
             endpoints = keep(context, endpoints)
         if route is None:

@@ -53,7 +53,9 @@ class Server:
             else FileSource(settings.source, on_reload=self._count_reload)
         )
         self.prefix = PrefixRouting(settings.prefix, self.store)
-        self.scraper = EngineScraper(self.store, interval=settings.scrape_interval or 1.0)
+        self.scraper = EngineScraper(
+            self.store, interval=settings.scrape_interval or 1.0, on_unreachable=self.prefix.endpoint_gone
+        )
         #: What the source declares; the store holds it with what model discovery learned applied.
         self._declared = Catalog()
         self.discovery = ModelDiscovery(declared=lambda: self._declared, on_change=self._republish)
@@ -67,6 +69,7 @@ class Server:
             prefix=self.prefix.scorer,
             policy=self._policy(settings.policy or DEFAULT_POLICY),
             signals=self.scraper.usable if settings.scrape_interval > 0 else None,
+            reachable=self.scraper.reachable if settings.scrape_interval > 0 else None,
         )
         self.budget = BodyBudget(settings.max_buffered_bytes)
         self.metrics.registry.register(CatalogCollector(lambda: self.store.current, self.inflight.snapshot))

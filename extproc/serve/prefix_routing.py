@@ -58,6 +58,15 @@ class PrefixRouting:
             self.approx.forget(endpoints)
         self._endpoints = endpoints
 
+    def endpoint_gone(self, address: EndpointAddress) -> None:
+        """The engine at ``address`` stopped listening: what it cached must stop attracting traffic.
+
+        Its KV-event sources are reset now (their blocks leave the index; a new incarnation is read
+        from seq 0), and our approximate memory of what we sent it is dropped.
+        """
+        self.subscriptions.resync(address, "engine unreachable (its metrics port refused the connection)")
+        self.approx.forget(self._endpoints - {address})
+
     def start(self) -> None:
         self.follower.start()
         self.parity.start()

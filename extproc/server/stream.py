@@ -38,7 +38,7 @@ from extproc.scheduling.inflight import Lease
 from extproc.scheduling.scheduler import Decision
 from extproc.server import messages
 from extproc.server.budget import BodyBudget
-from extproc.telemetry import Metrics
+from extproc.telemetry import LogLimiter, Metrics, clip
 from extproc.types import EndpointAddress
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ MODEL_HEADER = "x-gateway-model-name"
 #: vLLM routes a request carrying this header to that data-parallel rank (0.10+).
 DP_RANK_HEADER = "x-data-parallel-rank"
 _FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
+#: Messages Envoy never sends are logged once a minute per kind, whoever sends them.
+_UNEXPECTED: LogLimiter[str] = LogLimiter(time.monotonic)
 Responses = list[ep.ProcessingResponse]
 
 
@@ -86,6 +88,7 @@ class RequestStream:
         self._explanation: dict[str, str] | None = None
         self._full_duplex = False
         self._headers: dict[str, str] = {}
+        self._headers_seen = False
         #: ``:path``, normalized once (see :func:`~extproc.openai.normalize_path`).
         self._path = ""
         self._subset: frozenset[str] | None = None
@@ -95,7 +98,8 @@ class RequestStream:
 
     @property
     def request_id(self) -> str:
-        return self._headers.get("x-request-id", "")
+        """The client's ``x-request-id``, made safe for logs and answers (escaped, bounded)."""
+        return clip(self._headers.get("x-request-id", ""), 128)
 
     def handle(self, request: ep.ProcessingRequest) -> Responses:
         """Answer one message from Envoy; errors a client caused become HTTP answers."""
@@ -124,6 +128,11 @@ class RequestStream:
     # -- request path -------------------------------------------------------------------------
 
     def _on_request_headers(self, request: ep.ProcessingRequest) -> Responses:
+        if self._headers_seen:
+            # Envoy sends one request_headers per stream; a second one (anything else can reach
+            # the gRPC port) must not take a second in-flight count that nothing would release.
+            raise BadRequest("ext_proc protocol error: request_headers sent twice on one stream")
+        self._headers_seen = True
         self._full_duplex = request.protocol_config.request_body_mode == _FULL_DUPLEX
         self._headers = messages.header_map(request.request_headers)
         self._path = normalize_path(self._headers.get(":path", ""))
@@ -142,7 +151,7 @@ class RequestStream:
             for client, upstream in self._router.models():
                 if client == name:
                     return self._answer(model_response(client, upstream))
-            raise ModelNotFound(f"The model '{name}' does not exist.", param="model")
+            raise ModelNotFound(f"The model '{clip(name, 256)}' does not exist.", param="model")
         if path in INFERENCE_PATHS or not reading:
             # Bodiless writes (e.g. an engine's POST /reset_prefix_cache or /sleep) are not for
             # clients to send to a pod of our choosing; only reads pass without a model.
@@ -183,7 +192,7 @@ class RequestStream:
         route = decision.route
         rewritten: bytes | None = None
         if route is not None and route.is_alias:
-            rewritten = rewrite_model(parsed, route.upstream_model)
+            rewritten = rewrite_model(parsed, route.upstream_model, body)
             self._metrics.model_rewrites.inc()
         if not self._full_duplex:
             return [self._routed(decision, started, phase="body", body=rewritten)]
@@ -240,7 +249,8 @@ class RequestStream:
             return [messages.response_headers_response(self._explanation)]
         if kind in ("response_headers", "response_body", "response_trailers"):
             return [messages.acknowledge(kind)]
-        log.warning("unexpected ext_proc message request_id=%s kind=%s", self.request_id, kind)
+        if _UNEXPECTED.allow("", str(kind)):
+            log.warning("unexpected ext_proc message request_id=%s kind=%s", self.request_id, kind)
         return []
 
     # -- answers of our own -------------------------------------------------------------------
@@ -254,11 +264,11 @@ class RequestStream:
         self._done = True
         self._metrics.requests.labels(error.code).inc()
         log.info(
-            "rejected request_id=%s status=%d code=%s reason=%r",
+            "rejected request_id=%s status=%d code=%s reason=%s",
             self.request_id,
             error.status,
             error.code,
-            error.message,
+            clip(error.message),
         )
         return [messages.error_response(error)]
 

@@ -204,6 +204,20 @@ class KVEventPublisher:
             self._spawn(self._rebind(self._pub))
         log.info("kv publisher restarted endpoint=%s", self._endpoint)
 
+    def drop_connections(self) -> None:
+        """Look like a network blip: subscribers lose their connection and dial again, while the
+        engine (its seq, its replay buffer) carries on as it was."""
+        if self._pub is None:
+            raise RuntimeError("publisher is not running")
+        with contextlib.suppress(zmq.ZMQError):
+            self._pub.unbind(self._endpoint)
+        self._pub.close(linger=0)
+        self._pub = self._new_pub()
+        self._bound = False
+        if not self._try_bind(self._pub):
+            self._spawn(self._rebind(self._pub))
+        log.info("kv publisher dropped its connections endpoint=%s", self._endpoint)
+
     # -- publishing --------------------------------------------------------------------------------
 
     def publish(self, events: Sequence[KVEvent], ts: float) -> int | None:

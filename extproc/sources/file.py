@@ -18,13 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from extproc.catalog.model import Catalog
-from extproc.catalog.resources import Resource, iter_objects
+from extproc.catalog.resources import Resource, is_catalog_object, iter_objects
 from extproc.errors import ConfigError, SourceError
 from extproc.settings import SourceSettings
 from extproc.sources.objects import Compiled, ObjectKey, ProblemLog, compile_objects
+from extproc.sources.yaml_load import load_documents
 
 logger = logging.getLogger(__name__)
 
@@ -69,38 +68,39 @@ _Outcome = _Read | _Failed | tuple[_Read, Compiled] | None
 
 
 def compile_documents(data: bytes, previous: Mapping[ObjectKey, Resource], *, path: Path) -> Compiled:
-    """Parse the file's bytes and build a catalog; raises SourceError only if the YAML is broken.
+    """Parse the file's bytes and build a catalog; SourceError if the file as a whole is unusable.
 
+    Unusable: broken YAML, an alias bomb, or no object this router reads at all (an empty file,
+    plain text, an unrelated mapping: almost always a mistake that would empty the routing table).
     ``previous`` holds the objects of the last good load: an object that turned invalid keeps
     that version, as the API server would have refused the edit.
     """
-    documents = [d for d in _load_yaml(data, path) if d is not None]
-    return compile_objects((obj for document in documents for obj in iter_objects(document)), previous)
+    where = f"catalog file {path}"
+    documents = [d for d in load_documents(data, where=where) if d is not None]
+    objects = [obj for document in documents for obj in iter_objects(document)]
+    if not any(is_catalog_object(obj) for obj in objects):
+        found = f"{len(objects)} object(s), none of them an" if objects else "nothing: no"
+        raise SourceError(f"{where} holds {found} InferenceWorkerSet, Service or EndpointSlice")
+    return compile_objects(objects, previous)
 
 
-def _load_yaml(data: bytes, path: Path) -> list[Any]:
-    try:
-        return list(yaml.safe_load_all(data))
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        context = ""
-        if exc.context and exc.context_mark and exc.problem:
-            context = f" ({exc.context} at line {exc.context_mark.line + 1})"
-        detail = exc.problem or exc.context
-        raise SourceError(f"catalog file {path}: invalid YAML{where}: {detail}{context}") from exc
-    except yaml.YAMLError as exc:
-        raise SourceError(f"catalog file {path}: invalid YAML: {exc}") from exc
+def _read(path: Path, max_bytes: int) -> _Read:
+    """Read the file and stamp it from the same open file, so stamp and bytes belong together.
 
-
-def _read(path: Path) -> _Read:
-    """Read the file and stamp it from the same open file, so stamp and bytes belong together."""
+    A file over ``max_bytes`` is refused before it is read (``--max-catalog-bytes``): parsing is
+    bounded in time and memory whatever lands in the file.
+    """
     try:
         with path.open("rb") as fh:
             stamp = _Stamp.of(os.fstat(fh.fileno()))
-            data = fh.read()
+            data = fh.read(max_bytes + 1)
     except OSError as exc:
         raise SourceError(_describe(path, exc)) from exc
+    if len(data) > max_bytes:
+        raise SourceError(
+            f"catalog file {path}: {stamp.size:,} bytes, over the {max_bytes:,}-byte limit "
+            "(--max-catalog-bytes)"
+        )
     racy = time.time_ns() - stamp.mtime_ns < _RACY_NS
     return _Read(stamp, hashlib.sha256(data).digest(), data, racy)
 
@@ -126,6 +126,7 @@ class FileSource:
             raise ConfigError("the file source needs a path")
         self.path: Path = settings.path
         self.poll_interval = settings.poll_interval
+        self.max_bytes = settings.max_bytes
         self._on_reload = on_reload
         self.reloads_ok = 0
         self.reloads_failed = 0
@@ -144,7 +145,7 @@ class FileSource:
     def load(self) -> Catalog:
         """Read and build now; raises SourceError (with the path) if the file cannot be used."""
         try:
-            read = _read(self.path)
+            read = _read(self.path, self.max_bytes)
             compiled = compile_documents(read.data, self._valid, path=self.path)
         except SourceError as exc:
             self._fail(_Failed(str(exc)))
@@ -175,7 +176,7 @@ class FileSource:
             stamp = _Stamp.of(os.stat(self.path))
             if stamp == self._stamp and self._trusted:
                 return None
-            read = _read(self.path)
+            read = _read(self.path, self.max_bytes)
         except OSError as exc:
             return _Failed(_describe(self.path, exc))
         except SourceError as exc:
@@ -227,7 +228,12 @@ class FileSource:
         self.last_error = failed.message
         if new:
             self.reloads_failed += 1
-            logger.warning("catalog reload failed, keeping the previous catalog: error=%r", failed.message)
+            if self._applied is None:
+                logger.warning("catalog load failed, no catalog yet: error=%r", failed.message)
+            else:
+                logger.warning(
+                    "catalog reload failed, keeping the previous catalog: error=%r", failed.message
+                )
             self._notify("failed")
 
     def _remember(self, read: _Read | None) -> None:

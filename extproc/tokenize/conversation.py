@@ -115,8 +115,9 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         if isinstance(arguments, str):
             try:
                 function["arguments"] = json.loads(arguments)
-            except json.JSONDecodeError:
-                # vLLM's rule: empty or malformed JSON renders as an empty object.
+            except (json.JSONDecodeError, RecursionError):
+                # vLLM's rule: empty or malformed JSON renders as an empty object (nesting too deep
+                # to decode is malformed here: it is refused rather than crash the request).
                 function["arguments"] = {}
         elif not isinstance(arguments, dict | list):
             function["arguments"] = {}

@@ -274,14 +274,16 @@ def test_envoy_gateway_example_calls_our_service_in_a_mode_we_serve() -> None:
 
 
 def test_envoy_gateway_example_routes_to_the_pick_and_retries_the_fallbacks() -> None:
-    """HostOverride reads our header and metadata; retries match serve's default fallback count."""
+    """HostOverride reads our header and metadata; retries past serve's list go round robin."""
     docs = load(EXAMPLES / "envoy-gateway.yaml")
     policy = one(docs, "BackendTrafficPolicy")["spec"]
     sources = policy["loadBalancer"]["hostOverrideSettings"]["overrideHostSources"]
     assert {"header": "x-gateway-destination-endpoint"} in sources
     assert {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}} in sources
     serve_defaults = build_parser().parse_args(["serve", "--source", "file:unused.yaml"])
-    assert policy["retry"]["numRetries"] == serve_defaults.max_fallbacks
+    assert serve_defaults.max_fallbacks == 0  # one address: valid for HostOverride and ORIGINAL_DST alike
+    assert policy["retry"]["numRetries"] == 2
+    assert policy["loadBalancer"]["hostOverrideSettings"]["fallbackPolicy"] == "RoundRobin"
 
 
 def test_envoy_gateway_route_references_the_worker_set() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from ports import free_port
 from simulated import StartSim
 from waiting import eventually
 
@@ -111,6 +112,31 @@ async def test_an_endpoint_that_stops_answering_goes_stale_with_a_reason(
     assert gone.usable is None and gone.signals is not None
     assert gone.error is not None and "Connect" in gone.error
     assert scraper_.debug_state()["endpoints"][server.address]["failures"] >= 1
+
+
+async def test_a_stopped_engine_is_unreachable_once_and_reachable_when_back(sim: StartSim) -> None:
+    """Refused connections mark the engine gone (one notification); its return clears the mark."""
+    store, gone = CatalogStore(), []
+    scraper_ = EngineScraper(store, interval=INTERVAL, timeout=0.5, on_unreachable=gone.append)
+    scraper_.start()
+    try:
+        port = free_port()
+        server = await sim(listen=f"127.0.0.1:{port}")
+        publish(store, server.address)
+        await until(scraper_, server.address, lambda e: e.usable is not None)
+        address = EndpointAddress(server.address)
+        assert scraper_.reachable(address)
+        await server.stop()
+        await eventually(lambda: not scraper_.reachable(address), what="the stopped engine noticed")
+        rounds = scraper_.rounds
+        await eventually(lambda: scraper_.rounds >= rounds + 2, what="more failed scrapes")
+        assert gone == [address]  # once per outage, not once per failed scrape
+        assert scraper_.debug_state()["endpoints"][address]["unreachable"] is True
+        await sim(listen=f"127.0.0.1:{port}")
+        await eventually(lambda: scraper_.reachable(address), what="the engine back")
+        assert gone == [address]
+    finally:
+        await scraper_.close()
 
 
 async def test_an_endpoint_removed_from_the_catalog_disappears(

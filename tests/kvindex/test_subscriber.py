@@ -290,6 +290,41 @@ async def test_restart_resets_then_delivers_from_seq_0(
     assert (stats.complete, stats.counters.restarts) == (True, 1) and stats.counters.disconnects >= 1
 
 
+async def test_an_idle_restarted_engine_is_noticed_on_reconnect(
+    make_publisher: MakePublisher, make_subscriber: MakeSubscriber
+) -> None:
+    """A restarted engine that publishes nothing yet resets the source at once (its replay is empty)."""
+    pub, sink = await make_publisher(), RecordingSink()
+    feed = Feed(pub)
+    sub = make_subscriber(pub.endpoint, sink, replay_address=pub.replay_endpoint)
+    await eventually(lambda: len(sink.seqs()) >= 3, tick=feed.publish)
+    pub.restart()  # and nothing published after it
+    await eventually(lambda: bool(sink.of("reset")), what="the reset without a new batch")
+    (reason,) = sink.of("reset")
+    assert "no longer holds seq" in reason[0]
+    assert sub.stats().counters.restarts == 1
+    feed.sent.clear()
+    await eventually(lambda: len(sink.seqs(since_reset=True)) >= 2, tick=feed.publish)
+    assert sink.seqs(since_reset=True)[:2] == [0, 1]
+
+
+async def test_a_reconnect_to_the_same_engine_resets_nothing(
+    make_publisher: MakePublisher, make_subscriber: MakeSubscriber
+) -> None:
+    """A connection that drops and comes back to the same engine is checked, found the same, kept."""
+    pub, sink = await make_publisher(), RecordingSink()
+    feed = Feed(pub)
+    sub = make_subscriber(pub.endpoint, sink, replay_address=pub.replay_endpoint)
+    await eventually(lambda: len(sink.seqs()) >= 3, tick=feed.publish)
+    connections = sub.stats().counters.connections
+    pub.drop_connections()
+    await eventually(lambda: sub.stats().counters.reconnect_checks == 1, what="the reconnect checked")
+    assert sub.stats().counters.connections > connections
+    last = feed.burst(3)
+    await eventually(lambda: sink.seqs()[-1] == last, what="the next batches")
+    assert not sink.of("reset") and sink.seqs() == list(range(last + 1))
+
+
 async def test_malformed_and_oversized_messages_are_counted_and_skipped(
     make_subscriber: MakeSubscriber, raw_socket: Callable[[int], tuple[zmq.asyncio.Socket, str]]
 ) -> None:
@@ -396,6 +431,36 @@ async def test_subscriptions_follow_added_removed_and_changed_sources(make_publi
     finally:
         await subs.close()
     assert subs.stats() == {}
+
+
+async def test_resync_resets_the_endpoint_now_and_reads_it_again_from_seq_0(
+    make_publisher: MakePublisher,
+) -> None:
+    """resync(endpoint): the sink forgets that endpoint's sources at once, others untouched; the next
+    batch makes its subscriber start over from seq 0 (replayed), as for a new engine."""
+    a, b = await make_publisher(), await make_publisher()
+    other = Source(EndpointAddress("10.0.0.6:8000"), 0)
+    feeds = {a: Feed(a), b: Feed(b)}
+    sink = RecordingSink()
+    subs = KVSubscriptions(sink, options=FAST)
+    try:
+        await subs.sync(
+            {SOURCE: SubscriptionTarget(a.endpoint, a.replay_endpoint), other: SubscriptionTarget(b.endpoint)}
+        )
+
+        def tick() -> None:
+            for feed in feeds.values():
+                feed.publish()
+
+        await eventually(lambda: len(sink.seqs(SOURCE)) >= 3 and bool(sink.seqs(other)), tick=tick)
+        assert subs.resync(SOURCE.endpoint, "engine unreachable") == [SOURCE]
+        assert sink.of("reset", SOURCE) == [("engine unreachable",)] and not sink.of("reset", other)
+        last = feeds[a].publish()
+        await eventually(lambda: sink.seqs(SOURCE, since_reset=True)[-1:] == [last], what="read again")
+        assert sink.seqs(SOURCE, since_reset=True) == list(range(last + 1))
+        assert sink.of("reset", SOURCE) == [("engine unreachable",)]  # reset once, not twice
+    finally:
+        await subs.close()
 
 
 async def test_subscriptions_skip_a_target_that_cannot_connect() -> None:

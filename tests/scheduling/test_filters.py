@@ -6,7 +6,7 @@ import pytest
 
 from extproc.catalog.model import Catalog
 from extproc.errors import NoReadyEndpoint
-from extproc.scheduling.filters import FilterContext, context_window, subset_hint
+from extproc.scheduling.filters import FilterContext, context_window, reachable, subset_hint
 from tests.scheduling.candidates import endpoints
 
 
@@ -32,3 +32,13 @@ def test_subset_matching_nothing_is_503_naming_the_hint() -> None:
     """A hint that excludes every candidate is refused, naming the subset hint."""
     with pytest.raises(NoReadyEndpoint, match="subset hint"):
         subset_hint(_context(frozenset({"127.0.0.1:9999"})), endpoints(3))
+
+
+def test_unreachable_endpoints_are_routed_around_unless_all_are() -> None:
+    """A gone engine is skipped; with every candidate gone, all stay (our health view never 503s)."""
+    eps = endpoints(3)
+    down = {eps[1].address}
+    context = FilterContext(Catalog(), None, None, None, reachable=lambda a: a not in down)
+    assert list(reachable(context, eps)) == [eps[0], eps[2]]
+    everyone_down = FilterContext(Catalog(), None, None, None, reachable=lambda _a: False)
+    assert list(reachable(everyone_down, eps)) == eps

@@ -406,3 +406,51 @@ def test_decision_headers_reach_the_client_only_when_asked(enabled: bool) -> Non
         }
     else:
         assert added == {}
+
+
+def test_request_headers_twice_is_refused_and_leaks_no_in_flight_count() -> None:
+    """A second request_headers on one stream (Envoy never sends it) is a 400, and close frees all."""
+    h = Harness()
+    s = h.stream()
+    [first] = s.handle(headers("GET", "/metrics", eos=True))
+    assert first.WhichOneof("response") == "request_headers"
+    assert sum(h.inflight.snapshot().values()) == 1
+    [second] = s.handle(headers("GET", "/metrics", eos=True))
+    assert second.immediate_response.status.code == 400
+    assert b"request_headers sent twice" in second.immediate_response.body
+    assert sum(h.inflight.snapshot().values()) == 1
+    s.close()
+    assert h.inflight.snapshot() == {}
+
+
+@pytest.mark.parametrize("mode", [BUFFERED, FULL_DUPLEX], ids=["buffered", "full-duplex"])
+def test_alias_rewrite_of_a_deeply_nested_body_is_routed(mode: int) -> None:
+    """300 nested arrays (orjson reads them, cannot write them): the alias is still rewritten, no 500."""
+    raw = b'{"model": "chat", "messages": [{"role": "user", "content": "x"}], "x": ' + b"[" * 300
+    raw += b"]" * 300 + b"}"
+    h = Harness()
+    s = h.stream()
+    s.handle(headers(mode=mode))
+    answers = s.handle(body(raw))
+    assert not any(a.HasField("immediate_response") for a in answers)
+    if mode == BUFFERED:
+        sent = answers[0].request_body.response.body_mutation.body
+    else:
+        sent = b"".join(a.request_body.response.body_mutation.streamed_response.body for a in answers[1:])
+    assert orjson.loads(sent)["model"] == "llama-3-8b"
+    assert sent.replace(b'"llama-3-8b"', b'"chat"') == raw
+
+
+def test_client_text_in_logs_is_escaped_and_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    """A forged x-request-id and a megabyte model name make one short log line, and a short answer."""
+    h = Harness()
+    s = h.stream()
+    s.handle(headers(extra={"x-request-id": "r1\nts=0 level=ERROR forged"}))
+    name = "m" * 1_000_000
+    with caplog.at_level("INFO"):
+        [answer] = s.handle(body(chat(name)))
+    assert answer.immediate_response.status.code == 404
+    assert len(answer.immediate_response.body) < 1000
+    [line] = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
+    assert "\n" not in line and "r1\\nts=0 level=ERROR forged" in line
+    assert len(line) < 600

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -109,12 +110,13 @@ def test_fixture_loads_as_documented() -> None:
         (None, r"catalog file .*missing\.yaml: not found"),
         (
             b"apiVersion: v1\nkind: Service\nmetadata:\n  name: [unclosed\n",
-            r"invalid YAML at line 5, column 1: expected ',' or '\]', but got '<stream end>' "
+            # libyaml's wording ("did not find expected") or PyYAML's ("expected ..., but got").
+            r"invalid YAML at line 5, column 1: .*expected ',' or '\]'.* "
             r"\(while parsing a flow sequence at line 4\)",
         ),
         (
             b"kind: Service\n  name: x\n",
-            r"invalid YAML at line 2, column 7: mapping values are not allowed here",
+            r"invalid YAML at line 2, column 7: mapping values are not allowed (here|in this context)",
         ),
         (b"kind: \x80\n", r"invalid YAML: unacceptable character"),
         (Path("."), r"catalog file .*: cannot read: Is a directory"),
@@ -353,3 +355,83 @@ def test_unexpected_build_error_keeps_the_catalog(
     assert source.last_error is not None
     assert source.last_error.endswith("internal error while loading: RuntimeError('bug')")
     assert "catalog build failed (bug)" in caplog.text
+
+
+#: A "billion laughs": nine aliases per level, nine levels: ~387 million strings once expanded.
+ALIAS_BOMB = b"""a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
+b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]
+c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]
+d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]
+e: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]
+f: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]
+g: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]
+h: &h [*g,*g,*g,*g,*g,*g,*g,*g,*g]
+i: &i [*h,*h,*h,*h,*h,*h,*h,*h,*h]
+"""
+
+UNUSABLE = [
+    (b"", "holds nothing: no InferenceWorkerSet, Service or EndpointSlice"),
+    (b"---\n---\n", "holds nothing: no InferenceWorkerSet"),
+    (b"hello, this is not a catalog\n", "holds 1 object\\(s\\), none of them an InferenceWorkerSet"),
+    (b"foo: 1\nbar: [2, 3]\n", "holds 1 object\\(s\\), none of them"),
+    (b"apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n", "none of them an InferenceWorkerSet"),
+    (ALIAS_BOMB, "document 1: its YAML aliases expand to more than 5,000,000 nodes"),
+    (b"a: &a [1, *a]\n", "document 1: a YAML alias refers to a node containing it"),
+]
+UNUSABLE_IDS = [
+    "empty",
+    "only-separators",
+    "plain-text",
+    "unrelated-mapping",
+    "other-kind",
+    "alias-bomb",
+    "cycle",
+]
+
+
+@pytest.mark.parametrize(("content", "message"), UNUSABLE, ids=UNUSABLE_IDS)
+def test_files_without_a_catalog_are_refused_at_start(tmp_path: Path, content: bytes, message: str) -> None:
+    """Startup refuses a file that would route nothing, naming what it found; aliases cannot explode."""
+    path = tmp_path / "catalog.yaml"
+    path.write_bytes(content)
+    with pytest.raises(SourceError, match=message):
+        source_for(path).load()
+
+
+@pytest.mark.parametrize(("content", "message"), UNUSABLE, ids=UNUSABLE_IDS)
+def test_files_without_a_catalog_never_replace_a_good_one(
+    catalog_file: Path, content: bytes, message: str
+) -> None:
+    """An edit that empties or garbles the file keeps routing on the last good catalog, with the reason."""
+    source = source_for(catalog_file)
+    before = source.load()
+    catalog_file.write_bytes(content)
+    os.utime(catalog_file, ns=(0, 0))  # a different stamp whatever the clock's resolution
+    assert source.poll() is None
+    assert source.last_error is not None and re.search(message, source.last_error)
+    write(catalog_file, fixture_docs())
+    assert source.poll() == before
+
+
+def test_a_file_over_the_size_limit_is_refused_unread(tmp_path: Path) -> None:
+    """--max-catalog-bytes bounds what is read and parsed; the message names the flag."""
+    path = tmp_path / "catalog.yaml"
+    path.write_bytes(FIXTURE.read_bytes())
+    size = path.stat().st_size
+    small = FileSource(SourceSettings(kind="file", path=path, max_bytes=size - 1))
+    with pytest.raises(
+        SourceError, match=f"{size:,} bytes, over the {size - 1:,}-byte limit \\(--max-catalog-bytes\\)"
+    ):
+        small.load()
+    assert FileSource(SourceSettings(kind="file", path=path, max_bytes=size)).load().worker_sets
+
+
+def test_the_first_failed_load_does_not_claim_a_previous_catalog(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With nothing loaded yet, the log says so instead of "keeping the previous catalog"."""
+    path = tmp_path / "catalog.yaml"
+    path.write_bytes(b"")
+    with pytest.raises(SourceError):
+        source_for(path).load()
+    assert "no catalog yet" in caplog.text and "keeping the previous" not in caplog.text

@@ -39,8 +39,15 @@ def test_content_shapes(content: Any, string_form: str, openai_form: list[dict[s
 
 @pytest.mark.parametrize(
     ("arguments", "parsed"),
-    [('{"city": "Paris"}', {"city": "Paris"}), ("", {}), ("not json", {}), (None, {}), ({"a": 1}, {"a": 1})],
-    ids=["json", "empty", "malformed", "null", "already-object"],
+    [
+        ('{"city": "Paris"}', {"city": "Paris"}),
+        ("", {}),
+        ("not json", {}),
+        ("[" * 100_000, {}),
+        (None, {}),
+        ({"a": 1}, {"a": 1}),
+    ],
+    ids=["json", "empty", "malformed", "nested-too-deep", "null", "already-object"],
 )
 def test_tool_call_arguments_become_objects(arguments: Any, parsed: Any) -> None:
     """Assistant tool-call arguments are parsed from JSON; empty or malformed ones become {}."""
