@@ -6,18 +6,22 @@ The only place where a stream's lifetime is known, so the only place that releas
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.server import messages
 from extproc.server.budget import BodyBudget
 from extproc.server.stream import RequestStream, Router
-from extproc.telemetry import Metrics
+from extproc.telemetry import LogLimiter, Metrics
 
 log = logging.getLogger(__name__)
+#: Undecodable messages are logged once a minute, whoever sends them.
+_MALFORMED: LogLimiter[str] = LogLimiter(time.monotonic)
 
 
 class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
@@ -52,7 +56,16 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
         )
         self._metrics.streams.inc()
         try:
-            async for request in request_iterator:
+            async for request in _decoded(request_iterator):
+                if request is None:
+                    # Not a ProcessingRequest at all: Envoy never sends one, so whoever did gets a
+                    # gRPC error naming the problem, counted, logged once a minute (not a traceback).
+                    self._metrics.requests.labels("malformed_message").inc()
+                    if _MALFORMED.allow("", "decode"):
+                        log.warning("ext_proc message not decodable; stream ended with INVALID_ARGUMENT")
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT, "not an envoy.service.ext_proc.v3.ProcessingRequest"
+                    )
                 try:
                     responses = stream.handle(request)
                 except Exception:
@@ -66,3 +79,14 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
         finally:
             stream.close()
             self._metrics.streams.dec()
+
+
+async def _decoded(
+    requests: AsyncIterator[ep.ProcessingRequest],
+) -> AsyncIterator[ep.ProcessingRequest | None]:
+    """The stream's messages; None (then the end) where one could not be decoded."""
+    try:
+        async for request in requests:
+            yield request
+    except DecodeError:
+        yield None

@@ -1,0 +1,61 @@
+"""The gRPC service against a real grpc.aio server: what reaches the port that Envoy would never send."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from extproc.serve.app import Server
+from extproc.settings import ServeSettings, SourceSettings
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "catalog.yaml"
+PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[Server]:
+    settings = ServeSettings(
+        source=SourceSettings.parse(f"file:{DATA}"),
+        listen="127.0.0.1:0",
+        admin_listen="127.0.0.1:0",
+        scrape_interval=0,
+    )
+    async with Server(settings) as running:
+        yield running
+
+
+async def _send(channel: grpc.aio.Channel, payload: bytes) -> list[bytes]:
+    call = channel.stream_stream(PROCESS, request_serializer=lambda b: b, response_deserializer=lambda b: b)()
+    await call.write(payload)
+    await call.done_writing()
+    return [answer async for answer in call]
+
+
+async def test_undecodable_messages_get_invalid_argument_without_tracebacks(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bytes that are no ProcessingRequest end that stream with INVALID_ARGUMENT; the log stays quiet
+    (at most one warning, no traceback) and the next well-formed stream is served."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        with caplog.at_level(logging.WARNING):
+            for _ in range(5):
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await _send(channel, b"\xff\xff\xff\xff not protobuf")
+                assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "ProcessingRequest" in (failed.value.details() or "")
+        assert len([r for r in caplog.records if "not decodable" in r.getMessage()]) <= 1
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+        request = ep.ProcessingRequest()
+        header = request.request_headers.headers.headers.add()
+        header.key, header.raw_value = ":path", b"/v1/models"
+        method = request.request_headers.headers.headers.add()
+        method.key, method.raw_value = ":method", b"GET"
+        request.request_headers.end_of_stream = True
+        [answer] = await _send(channel, request.SerializeToString())
+    assert ep.ProcessingResponse.FromString(answer).immediate_response.status.code == 200
+    assert server.metrics.requests.labels("malformed_message")._value.get() == 5
