@@ -78,7 +78,7 @@ def admin_app(
         async def readyz(_: web.Request) -> web.Response:
             if is_ready():
                 return web.Response(text="ready\n")
-            return web.Response(status=503, text="catalog not loaded\n")
+            return web.Response(status=503, text="not ready (catalog not loaded yet, or draining)\n")
 
         app.router.add_get("/readyz", readyz)
     if worker_sets is not None:

@@ -26,6 +26,7 @@ from extproc.errors import ModelNotFound, NoReadyEndpoint, Overloaded
 from extproc.openai import InferenceRequest
 from extproc.scheduling.cache_then_load import CacheThenLoad
 from extproc.scheduling.filters import AFTER_MATCH, BEFORE_MATCH, FilterContext, wanted
+from extproc.scheduling.handover import LeaseHandover
 from extproc.scheduling.inflight import InFlight, Lease
 from extproc.scheduling.least_in_flight import LeastInFlight
 from extproc.scheduling.policy import Candidate, Policy, RequestFacts
@@ -83,6 +84,10 @@ class Scheduler:
         self.policy: Policy = policy or CacheThenLoad()
         self._signals = signals or (lambda _address: None)
         self._reachable = reachable or (lambda _address: True)
+        #: The catalog last looked at by :meth:`lease_for`, and its endpoint addresses.
+        self._addresses_of: tuple[Catalog | None, frozenset[str]] = (None, frozenset())
+        #: Routed requests' leases on their way to their accounting streams.
+        self.handover = LeaseHandover()
 
     def schedule(self, request: InferenceRequest | None, subset: frozenset[str] | None = None) -> Decision:
         """Decide for ``request`` (None: a request without a body, for any endpoint of any worker set).
@@ -154,6 +159,31 @@ class Scheduler:
         predictions charge this endpoint for it until it should be done.
         """
         return self._inflight.acquire(address, prefill_tokens=prefill_tokens, prefill_seconds=prefill_seconds)
+
+    def offer(self, lease: Lease) -> str:
+        """Offer a routed request's lease to its accounting stream (:mod:`.handover`); the token."""
+        return self.handover.offer(lease)
+
+    def routing_ended(self, token: str) -> None:
+        """A routing stream that offered its lease ended (see :mod:`.handover`)."""
+        self.handover.routing_ended(token)
+
+    def lease_for(
+        self, destination: str, *, token: str = "", prefill_tokens: int = 0, prefill_seconds: float = 0.0
+    ) -> Lease | None:
+        """The in-flight lease an accounting stream holds for the request our answer placed: the
+        routing stream's own when it was offered here under ``token`` (one count, not two), else a
+        new one on the first address of ``destination``; None when the catalog has no such endpoint."""
+        offered = self.handover.claim(token)
+        if offered is not None:
+            return offered
+        catalog = self._catalog()
+        if catalog is not self._addresses_of[0]:
+            self._addresses_of = (catalog, frozenset(e.address for e in _all_endpoints(catalog)))
+        address = EndpointAddress(destination.split(",", 1)[0].strip())
+        if address not in self._addresses_of[1]:
+            return None
+        return self.acquire(address, prefill_tokens=prefill_tokens, prefill_seconds=prefill_seconds)
 
     def models(self) -> list[tuple[str, str]]:
         """Every client-facing model name with the upstream name it resolves to, sorted."""

@@ -82,6 +82,8 @@ class Server:
         self._watch: asyncio.Task[None] | None = None
         self._profile_poll: asyncio.Task[None] | None = None
         self._started = time.time()
+        #: Set by :meth:`drain`: health answers NOT_SERVING while streams are still served.
+        self.draining = False
 
     async def start(self) -> None:
         """Load the catalog (failing loudly if a file cannot be read), then open both ports.
@@ -159,7 +161,7 @@ class Server:
             max_body_bytes=self.settings.max_body_bytes,
             budget=self.budget,
             decision_headers=self.settings.decision_headers,
-            ready=lambda: self.store.loaded,
+            ready=self.ready,
         )
         self.grpc_port = self._grpc.port
 
@@ -167,7 +169,7 @@ class Server:
         app = admin_app(
             registry=self.metrics.registry,
             state=self.debug_state,
-            ready=lambda: self.store.loaded,
+            ready=self.ready,
             worker_sets=self.worker_sets_state,
         )
         self._admin, self.admin_port = await start_admin(app, self.settings.admin_listen)
@@ -201,6 +203,20 @@ class Server:
             "workerSetStatus": self.worker_sets_state(),
         }
 
+    def ready(self) -> bool:
+        """Ready for new streams: the catalog has loaded and no drain has begun."""
+        return self.store.loaded and not self.draining
+
+    async def drain(self) -> None:
+        """The first step of a graceful stop (SIGTERM): report NOT_SERVING at once, but keep serving
+        new streams for ``drain_seconds`` while gateways' health checks and Kubernetes move traffic to
+        other replicas; refusing them at once would turn each into a 500 at the gateway."""
+        self.draining = True
+        log.info(
+            "draining seconds=%g (health NOT_SERVING, new streams still served)", self.settings.drain_seconds
+        )
+        await asyncio.sleep(self.settings.drain_seconds)
+
     async def stop(self) -> None:
         """Stop taking streams, let open ones finish for ``drain_seconds``, then close."""
         for task in (self._watch, self._profile_poll):
@@ -222,6 +238,7 @@ class Server:
 
 
 async def serve(settings: ServeSettings, *, stop: asyncio.Event) -> None:
-    """Run until ``stop`` is set."""
-    async with Server(settings):
+    """Run until ``stop`` is set, then drain and stop (a second signal exits at once, see the CLI)."""
+    async with Server(settings) as server:
         await stop.wait()
+        await server.drain()

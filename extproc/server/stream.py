@@ -47,6 +47,11 @@ log = logging.getLogger(__name__)
 MODEL_HEADER = "x-gateway-model-name"
 #: vLLM routes a request carrying this header to that data-parallel rank (0.10+).
 DP_RANK_HEADER = "x-data-parallel-rank"
+#: The pick's predicted prefill ("tokens,seconds"), so an accounting stream (see below) that reads
+#: the request after us can charge the endpoint for it, whichever replica it reaches.
+PREFILL_HEADER = "x-extproc-prefill"
+#: The token under which the routing stream offers its lease to the accounting stream.
+LEASE_HEADER = "x-extproc-lease"
 _FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
 #: Messages Envoy never sends are logged once a minute per kind, whoever sends them.
 _UNEXPECTED: LogLimiter[str] = LogLimiter(time.monotonic)
@@ -63,6 +68,14 @@ class Router(Protocol):
     def acquire(
         self, address: EndpointAddress, *, prefill_tokens: int = 0, prefill_seconds: float = 0.0
     ) -> Lease: ...
+
+    def offer(self, lease: Lease) -> str: ...
+
+    def routing_ended(self, token: str) -> None: ...
+
+    def lease_for(
+        self, destination: str, *, token: str = "", prefill_tokens: int = 0, prefill_seconds: float = 0.0
+    ) -> Lease | None: ...
 
     def models(self) -> list[tuple[str, str]]: ...
 
@@ -89,6 +102,11 @@ class RequestStream:
         self._full_duplex = False
         self._headers: dict[str, str] = {}
         self._headers_seen = False
+        #: An accounting stream (an ext_proc filter in observability mode after the routing one):
+        #: it only holds the in-flight lease of the request the routing stream placed.
+        self._accounting = False
+        #: The token our routing answer offered the lease under (routing streams only).
+        self._token: str | None = None
         #: ``:path``, normalized once (see :func:`~extproc.openai.normalize_path`).
         self._path = ""
         self._subset: frozenset[str] | None = None
@@ -104,6 +122,8 @@ class RequestStream:
     def handle(self, request: ep.ProcessingRequest) -> Responses:
         """Answer one message from Envoy; errors a client caused become HTTP answers."""
         kind = request.WhichOneof("request")
+        if request.observability_mode or self._accounting:
+            return self._account(request, kind)
         try:
             if kind == "request_headers":
                 return self._on_request_headers(request)
@@ -116,14 +136,44 @@ class RequestStream:
             return self._reject(error)
 
     def close(self) -> None:
-        """The stream ended: give the endpoint and any buffered body bytes back."""
+        """The stream ended: give the endpoint and any buffered body bytes back.
+
+        A routing stream's lease was offered to the request's accounting stream: the handover
+        releases it (at once, after a grace for a late accounting stream, or when that one ends).
+        """
         self._drop_body()
-        if self.lease is not None:
+        if self._token is not None:
+            self._router.routing_ended(self._token)  # the handover releases it, now or later
+        elif self.lease is not None:
             self.lease.release()
 
     def _drop_body(self) -> None:
         self._budget.give(len(self._body))
         self._body = bytearray()
+
+    # -- accounting (observability mode) -----------------------------------------------------
+
+    def _account(self, request: ep.ProcessingRequest, kind: str | None) -> Responses:
+        """Count the request against the endpoint our routing answer named, until the stream ends.
+
+        Envoy ignores answers in observability mode, so none are sent. The routing filter can then
+        end its own stream with the request (or its response headers), and a picker going away
+        mid-response cuts nothing: only this count is lost, with the process that held it.
+        """
+        self._accounting = True
+        if kind != "request_headers" or self._headers_seen:
+            return []
+        self._headers_seen = True
+        self._headers = messages.header_map(request.request_headers)
+        tokens, seconds = _prefill_hint(self._headers.get(PREFILL_HEADER, ""))
+        destination = self._headers.get(messages.DESTINATION_HEADER, "")
+        self.lease = self._router.lease_for(
+            destination,
+            token=self._headers.get(LEASE_HEADER, ""),
+            prefill_tokens=tokens,
+            prefill_seconds=seconds,
+        )
+        return []
 
     # -- request path -------------------------------------------------------------------------
 
@@ -222,6 +272,10 @@ class RequestStream:
         if rank is not None:
             # vLLM's API server sends a request to this DP rank (the one holding the prefix).
             extra[DP_RANK_HEADER] = str(rank)
+        # Always set (overwriting anything a client sent): the accounting stream trusts them.
+        self._token = self._router.offer(self.lease)
+        extra[LEASE_HEADER] = self._token
+        extra[PREFILL_HEADER] = f"{tokens},{seconds:.4f}"
         if body is not None:
             # BUFFERED keeps Content-Length; it must describe the rewritten body.
             extra["content-length"] = str(len(body))
@@ -271,6 +325,15 @@ class RequestStream:
             clip(error.message),
         )
         return [messages.error_response(error)]
+
+
+def _prefill_hint(value: str) -> tuple[int, float]:
+    """``tokens,seconds`` from :data:`PREFILL_HEADER`; (0, 0) when absent or not ours."""
+    tokens, _, seconds = value.partition(",")
+    try:
+        return max(0, int(tokens)), max(0.0, min(float(seconds), 3600.0))
+    except ValueError:
+        return 0, 0.0
 
 
 def explain(decision: Decision) -> dict[str, str]:

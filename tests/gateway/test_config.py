@@ -90,8 +90,14 @@ def test_shipped_configs_keep_the_documented_contract(name: str) -> None:
     """The settings the README and the server rely on, so an edit to a YAML cannot drop one silently."""
     config = load_config(shipped_config(name))
     filters = [f["name"] for f in _http_filters(config)]
-    # The strip filter must run before ext_proc (required for ORIGINAL_DST, defence in depth otherwise).
-    assert filters == ["envoy.filters.http.header_mutation", EXTPROC_FILTER, "envoy.filters.http.router"]
+    # The strip filter must run before ext_proc (required for ORIGINAL_DST, defence in depth otherwise);
+    # accounting reads the request after routing set its destination.
+    assert filters == [
+        "envoy.filters.http.header_mutation",
+        EXTPROC_FILTER,
+        "extproc-accounting",
+        "envoy.filters.http.router",
+    ]
     strip = _http_filters(config)[0]["typed_config"]["mutations"]["request_mutations"]
     assert {"remove": DEST} in strip
 
@@ -106,8 +112,15 @@ def test_shipped_configs_keep_the_documented_contract(name: str) -> None:
         "request_trailer_mode": "SEND",
         "response_header_mode": "SEND",
         "response_body_mode": "NONE",
-        "response_trailer_mode": "SEND",
+        # The routing stream ends with the response headers: a picker going away cuts no response.
+        "response_trailer_mode": "SKIP",
     }
+    accounting = _http_filters(config)[2]["typed_config"]
+    assert accounting["grpc_service"] == ext_proc["grpc_service"]
+    assert accounting["observability_mode"] is True and accounting["failure_mode_allow"] is True
+    assert accounting["processing_mode"]["request_header_mode"] == "SEND"
+    assert accounting["processing_mode"]["request_body_mode"] == "NONE"
+    assert accounting["processing_mode"]["response_trailer_mode"] == "SEND"
     assert ext_proc["metadata_options"] == {
         "receiving_namespaces": {"untyped": ["envoy.lb"]},
         "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]},

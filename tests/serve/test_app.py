@@ -11,9 +11,11 @@ import grpc
 import orjson
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from waiting import eventually
 
 from extproc.admin import is_loopback
 from extproc.errors import ConfigError
+from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.serve.app import Server
 from extproc.settings import ServeSettings, SourceSettings
 
@@ -174,3 +176,56 @@ async def test_worker_sets_route_is_the_state_section(server: Server) -> None:
 def test_loopback_check(remote: str | None, allowed: bool) -> None:
     """Only loopback peers pass; an unknown peer does not."""
     assert is_loopback(remote) is allowed
+
+
+async def test_sigterm_drain_reports_not_serving_but_keeps_answering() -> None:
+    """While draining, health says NOT_SERVING (liveness stays SERVING) and new streams are still
+    answered; after --drain-seconds the server stops."""
+    settings = ServeSettings(
+        source=SourceSettings.parse(f"file:{DATA}"),
+        listen="127.0.0.1:0",
+        admin_listen="127.0.0.1:0",
+        drain_seconds=1.0,
+        scrape_interval=0,
+    )
+    stop = asyncio.Event()
+    server = Server(settings)
+    await server.start()
+    drained = asyncio.create_task(_drain_then_stop(server, stop))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            stop.set()
+            await eventually(lambda: server.draining, what="the drain begun")
+            readiness = await health.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=5)
+            liveness = await health.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=5)
+            assert (readiness.status, liveness.status) == (Status.NOT_SERVING, Status.SERVING)
+            answer = await _models(channel)
+            assert answer.immediate_response.status.code == 200  # a new stream, served while draining
+        await asyncio.wait_for(drained, 10)
+    finally:
+        await server.stop()
+
+
+async def _drain_then_stop(server: Server, stop: asyncio.Event) -> None:
+    await stop.wait()
+    await server.drain()
+    await server.stop()
+
+
+async def _models(channel: grpc.aio.Channel) -> ep.ProcessingResponse:
+    """One bodiless ``GET /v1/models`` ext_proc stream."""
+    request = ep.ProcessingRequest()
+    for key, value in ((":path", b"/v1/models"), (":method", b"GET")):
+        header = request.request_headers.headers.headers.add()
+        header.key, header.raw_value = key, value
+    request.request_headers.end_of_stream = True
+    call = channel.stream_stream(
+        "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+        request_serializer=ep.ProcessingRequest.SerializeToString,
+        response_deserializer=ep.ProcessingResponse.FromString,
+    )()
+    await call.write(request)
+    await call.done_writing()
+    [answer] = [a async for a in call]
+    return answer
