@@ -4,9 +4,9 @@
 
 Everything runs on loopback on this machine: two fake backends and the HTTP client in this process,
 ``extproc serve`` as a subprocess, four real Envoys (``--concurrency 1``) from the shipped
-``envoy/gateway.yaml``: "direct" (ext_proc filter removed: override_host falls back to round robin),
-"full_duplex", "buffered" and "fd_resp_skip" (FULL_DUPLEX, response headers not sent to ext_proc),
-all through the same serve. Writes JSON and a markdown summary.
+``envoy/gateway.yaml``: "direct" (both ext_proc filters removed: override_host falls back to round
+robin), "full_duplex", "buffered" and "fd_no_accounting" (FULL_DUPLEX without the in-flight
+accounting filter, which prices that filter's second gRPC stream), all through the same serve. Writes JSON and a markdown summary.
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ from extproc.gateway.config import EXTPROC_FILTER, HCM_FILTER, load_config, rend
 from extproc.gateway.process import EnvoyProcess, envoy_binary
 
 MODEL, ALIAS = "bench-model", "bench-alias"
-# "fd_resp_skip": FULL_DUPLEX with response_header_mode SKIP, to price the response-headers round trip.
-GATEWAYS = ("direct", "full_duplex", "buffered", "fd_resp_skip")
+#: The shipped configs' in-flight accounting filter (envoy/README.md).
+ACCOUNTING_FILTER = "extproc-accounting"
+# "fd_no_accounting": FULL_DUPLEX without the accounting filter, to price its second ext_proc stream.
+GATEWAYS = ("direct", "full_duplex", "buffered", "fd_no_accounting")
 # (request, gateway, model asked for, prompt bytes); "added" = minus (same size, direct).
 SCENARIOS = [("small", g, MODEL, 64) for g in GATEWAYS] + [("alias", g, ALIAS, 64) for g in GATEWAYS[1:3]]
 SCENARIOS += [("100kb", g, MODEL, 100_000) for g in GATEWAYS[:3]]
@@ -114,13 +116,13 @@ def gateway_config(kind: str, ports: tuple[int, int, int], pool: list[Backend]) 
         extproc_address=("127.0.0.1", extproc_port),
         pool_endpoints=[(b.host, b.port) for b in pool],
         body_mode="BUFFERED" if kind == "buffered" else "FULL_DUPLEX_STREAMED",
-        response_header_mode="SKIP" if kind == "fd_resp_skip" else None,
     )
-    if kind == "direct":
+    dropped = {"direct": {EXTPROC_FILTER, ACCOUNTING_FILTER}, "fd_no_accounting": {ACCOUNTING_FILTER}}
+    if kind in dropped:
         listener = next(x for x in config["static_resources"]["listeners"] if x["name"] == "gateway")
         hcm = next(f for f in listener["filter_chains"][0]["filters"] if f["name"] == HCM_FILTER)
         filters = hcm["typed_config"]["http_filters"]
-        filters[:] = [f for f in filters if f["name"] != EXTPROC_FILTER]
+        filters[:] = [f for f in filters if f["name"] not in dropped[kind]]
     return config
 
 
@@ -246,7 +248,7 @@ async def run(quick: bool) -> dict[str, Any]:
         async with aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=16), timeout=_TIMEOUT
         ) as session:
-            for kind in ("direct", "full_duplex"):
+            for kind in ("direct", "full_duplex", "fd_no_accounting"):
                 pids = {"envoy": envoys[kind].pid or 0} | ({"serve": proc.pid} if kind != "direct" else {})
 
                 async def call(url: str = urls[kind]) -> str:

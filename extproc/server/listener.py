@@ -14,8 +14,7 @@ from extproc.errors import ConfigError
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.server.budget import BodyBudget
 from extproc.server.health import HealthService
-from extproc.server.service import ExternalProcessorService
-from extproc.server.stream import Router
+from extproc.server.service import ExternalProcessorService, Routing
 from extproc.settings import parse_host_port
 from extproc.telemetry import Metrics
 
@@ -37,7 +36,7 @@ class ExtProcListener:
         cls,
         *,
         listen: str,
-        router: Router,
+        router: Routing,
         metrics: Metrics,
         max_body_bytes: int,
         budget: BodyBudget,

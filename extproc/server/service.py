@@ -1,6 +1,8 @@
 """The gRPC ``ExternalProcessor`` service: pumps Envoy's messages through a RequestStream.
 
-The only place where a stream's lifetime is known, so the only place that releases its lease.
+The only place where a stream's lifetime is known, so the only place that releases its lease. A
+stream's first message says which kind it is: routing (:mod:`.stream`) or, from a filter in
+observability mode, accounting (:mod:`.accounting`).
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -15,6 +18,7 @@ from google.protobuf.message import DecodeError
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.server import messages
+from extproc.server.accounting import AccountingStream, LeaseSource
 from extproc.server.budget import BodyBudget
 from extproc.server.stream import RequestStream, Router
 from extproc.telemetry import LogLimiter, Metrics
@@ -24,12 +28,16 @@ log = logging.getLogger(__name__)
 _MALFORMED: LogLimiter[str] = LogLimiter(time.monotonic)
 
 
+class Routing(Router, LeaseSource, Protocol):
+    """What both kinds of stream need from the routing side (the scheduler)."""
+
+
 class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
     """One RequestStream per ext_proc stream; a failure in one never touches another."""
 
     def __init__(
         self,
-        router: Router,
+        router: Routing,
         metrics: Metrics,
         *,
         max_body_bytes: int,
@@ -47,13 +55,7 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
         request_iterator: AsyncIterator[ep.ProcessingRequest],
         context: grpc.aio.ServicerContext[ep.ProcessingRequest, ep.ProcessingResponse],
     ) -> AsyncIterator[ep.ProcessingResponse]:
-        stream = RequestStream(
-            self._router,
-            self._metrics,
-            max_body_bytes=self._max_body,
-            budget=self._budget,
-            decision_headers=self._decision_headers,
-        )
+        stream: RequestStream | AccountingStream | None = None
         self._metrics.streams.inc()
         try:
             async for request in _decoded(request_iterator):
@@ -66,6 +68,8 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                     await context.abort(
                         grpc.StatusCode.INVALID_ARGUMENT, "not an envoy.service.ext_proc.v3.ProcessingRequest"
                     )
+                if stream is None:
+                    stream = self._stream_for(request)
                 try:
                     responses = stream.handle(request)
                 except Exception:
@@ -77,8 +81,21 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                 for response in responses:
                     yield response
         finally:
-            stream.close()
+            if stream is not None:
+                stream.close()
             self._metrics.streams.dec()
+
+    def _stream_for(self, first: ep.ProcessingRequest) -> RequestStream | AccountingStream:
+        """A routing stream, or an accounting one when its filter runs in observability mode."""
+        if first.observability_mode:
+            return AccountingStream(self._router)
+        return RequestStream(
+            self._router,
+            self._metrics,
+            max_body_bytes=self._max_body,
+            budget=self._budget,
+            decision_headers=self._decision_headers,
+        )
 
 
 async def _decoded(

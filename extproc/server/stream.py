@@ -37,6 +37,7 @@ from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.scheduling.inflight import Lease
 from extproc.scheduling.scheduler import Decision
 from extproc.server import messages
+from extproc.server.accounting import LEASE_HEADER, PREFILL_HEADER
 from extproc.server.budget import BodyBudget
 from extproc.telemetry import LogLimiter, Metrics, clip
 from extproc.types import EndpointAddress
@@ -47,11 +48,6 @@ log = logging.getLogger(__name__)
 MODEL_HEADER = "x-gateway-model-name"
 #: vLLM routes a request carrying this header to that data-parallel rank (0.10+).
 DP_RANK_HEADER = "x-data-parallel-rank"
-#: The pick's predicted prefill ("tokens,seconds"), so an accounting stream (see below) that reads
-#: the request after us can charge the endpoint for it, whichever replica it reaches.
-PREFILL_HEADER = "x-extproc-prefill"
-#: The token under which the routing stream offers its lease to the accounting stream.
-LEASE_HEADER = "x-extproc-lease"
 _FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
 #: Messages Envoy never sends are logged once a minute per kind, whoever sends them.
 _UNEXPECTED: LogLimiter[str] = LogLimiter(time.monotonic)
@@ -72,10 +68,6 @@ class Router(Protocol):
     def offer(self, lease: Lease) -> str: ...
 
     def routing_ended(self, token: str) -> None: ...
-
-    def lease_for(
-        self, destination: str, *, token: str = "", prefill_tokens: int = 0, prefill_seconds: float = 0.0
-    ) -> Lease | None: ...
 
     def models(self) -> list[tuple[str, str]]: ...
 
@@ -102,9 +94,6 @@ class RequestStream:
         self._full_duplex = False
         self._headers: dict[str, str] = {}
         self._headers_seen = False
-        #: An accounting stream (an ext_proc filter in observability mode after the routing one):
-        #: it only holds the in-flight lease of the request the routing stream placed.
-        self._accounting = False
         #: The token our routing answer offered the lease under (routing streams only).
         self._token: str | None = None
         #: ``:path``, normalized once (see :func:`~extproc.openai.normalize_path`).
@@ -122,8 +111,6 @@ class RequestStream:
     def handle(self, request: ep.ProcessingRequest) -> Responses:
         """Answer one message from Envoy; errors a client caused become HTTP answers."""
         kind = request.WhichOneof("request")
-        if request.observability_mode or self._accounting:
-            return self._account(request, kind)
         try:
             if kind == "request_headers":
                 return self._on_request_headers(request)
@@ -150,30 +137,6 @@ class RequestStream:
     def _drop_body(self) -> None:
         self._budget.give(len(self._body))
         self._body = bytearray()
-
-    # -- accounting (observability mode) -----------------------------------------------------
-
-    def _account(self, request: ep.ProcessingRequest, kind: str | None) -> Responses:
-        """Count the request against the endpoint our routing answer named, until the stream ends.
-
-        Envoy ignores answers in observability mode, so none are sent. The routing filter can then
-        end its own stream with the request (or its response headers), and a picker going away
-        mid-response cuts nothing: only this count is lost, with the process that held it.
-        """
-        self._accounting = True
-        if kind != "request_headers" or self._headers_seen:
-            return []
-        self._headers_seen = True
-        self._headers = messages.header_map(request.request_headers)
-        tokens, seconds = _prefill_hint(self._headers.get(PREFILL_HEADER, ""))
-        destination = self._headers.get(messages.DESTINATION_HEADER, "")
-        self.lease = self._router.lease_for(
-            destination,
-            token=self._headers.get(LEASE_HEADER, ""),
-            prefill_tokens=tokens,
-            prefill_seconds=seconds,
-        )
-        return []
 
     # -- request path -------------------------------------------------------------------------
 
@@ -272,7 +235,8 @@ class RequestStream:
         if rank is not None:
             # vLLM's API server sends a request to this DP rank (the one holding the prefix).
             extra[DP_RANK_HEADER] = str(rank)
-        # Always set (overwriting anything a client sent): the accounting stream trusts them.
+        # Always set (overwriting anything a client sent): the accounting stream
+        # (:mod:`extproc.server.accounting`) reads them back.
         self._token = self._router.offer(self.lease)
         extra[LEASE_HEADER] = self._token
         extra[PREFILL_HEADER] = f"{tokens},{seconds:.4f}"
@@ -325,15 +289,6 @@ class RequestStream:
             clip(error.message),
         )
         return [messages.error_response(error)]
-
-
-def _prefill_hint(value: str) -> tuple[int, float]:
-    """``tokens,seconds`` from :data:`PREFILL_HEADER`; (0, 0) when absent or not ours."""
-    tokens, _, seconds = value.partition(",")
-    try:
-        return max(0, int(tokens)), max(0.0, min(float(seconds), 3600.0))
-    except ValueError:
-        return 0, 0.0
 
 
 def explain(decision: Decision) -> dict[str, str]:

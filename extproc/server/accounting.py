@@ -1,0 +1,79 @@
+"""Accounting streams: an ext_proc filter in observability mode counting a request in flight.
+
+Behind the shipped Envoy configs each request reaches the picker twice. The routing filter's
+stream (:mod:`extproc.server.stream`) decides and ends with the response headers, so a picker going
+away mid-response cuts nothing. A second filter, in ``observability_mode`` and after the routing
+one, sends the request headers (with the destination and the ``x-extproc-lease`` /
+``x-extproc-prefill`` headers our routing answer set) and lasts until the response has ended. Its
+stream holds the request's in-flight lease for that long: the routing stream's own when it offered
+it in this process, else a new one (see :mod:`extproc.scheduling.handover`). Envoy ignores answers
+in observability mode, so none are sent.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from extproc.scheduling.inflight import Lease
+from extproc.server import messages
+from extproc.telemetry import clip
+
+#: The pick's predicted prefill ("tokens,seconds"), set by the routing answer, so the accounting
+#: stream can charge the endpoint for it whichever replica it reaches.
+PREFILL_HEADER = "x-extproc-prefill"
+#: The token under which the routing stream offered its lease (see ``LeaseHandover``).
+LEASE_HEADER = "x-extproc-lease"
+#: The longest predicted prefill believed from a header, in seconds.
+_MAX_PREFILL_SECONDS = 3600.0
+
+
+class LeaseSource(Protocol):
+    """What an accounting stream needs from the routing side (defined here, by its consumer)."""
+
+    def lease_for(
+        self, destination: str, *, token: str = "", prefill_tokens: int = 0, prefill_seconds: float = 0.0
+    ) -> Lease | None: ...
+
+
+class AccountingStream:
+    """One observability-mode stream: a lease from its request headers until it ends."""
+
+    def __init__(self, source: LeaseSource) -> None:
+        self._source = source
+        self._headers: dict[str, str] = {}
+        self._seen = False
+        self.lease: Lease | None = None
+
+    @property
+    def request_id(self) -> str:
+        return clip(self._headers.get("x-request-id", ""), 128)
+
+    def handle(self, request: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        """Take the lease on the first request headers; nothing is ever answered."""
+        if request.WhichOneof("request") != "request_headers" or self._seen:
+            return []
+        self._seen = True
+        self._headers = messages.header_map(request.request_headers)
+        tokens, seconds = prefill_hint(self._headers.get(PREFILL_HEADER, ""))
+        self.lease = self._source.lease_for(
+            self._headers.get(messages.DESTINATION_HEADER, ""),
+            token=self._headers.get(LEASE_HEADER, ""),
+            prefill_tokens=tokens,
+            prefill_seconds=seconds,
+        )
+        return []
+
+    def close(self) -> None:
+        """The response has ended (or the client went away): the request no longer counts."""
+        if self.lease is not None:
+            self.lease.release()
+
+
+def prefill_hint(value: str) -> tuple[int, float]:
+    """``tokens,seconds`` from :data:`PREFILL_HEADER`; (0, 0) when absent or not ours."""
+    tokens, _, seconds = value.partition(",")
+    try:
+        return max(0, int(tokens)), max(0.0, min(float(seconds), _MAX_PREFILL_SECONDS))
+    except ValueError:
+        return 0, 0.0
