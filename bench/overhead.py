@@ -6,7 +6,8 @@ Everything runs on loopback on this machine: two fake backends and the HTTP clie
 ``extproc serve`` as a subprocess, four real Envoys (``--concurrency 1``) from the shipped
 ``envoy/gateway.yaml``: "direct" (both ext_proc filters removed: override_host falls back to round
 robin), "full_duplex", "buffered" and "fd_no_accounting" (FULL_DUPLEX without the in-flight
-accounting filter, which prices that filter's second gRPC stream), all through the same serve. Writes JSON and a markdown summary.
+accounting filter, which prices that filter's second gRPC stream), all through the same serve.
+Writes JSON and a markdown summary.
 """
 
 from __future__ import annotations
