@@ -184,11 +184,7 @@ class KVEventPublisher:
         ZMQ releasing it asynchronously, so a failed bind is retried in the background; until
         then batches are sent to nobody, as a restarting engine would.
         """
-        if self._pub is None:
-            raise RuntimeError("publisher is not running")
-        with contextlib.suppress(zmq.ZMQError):
-            self._pub.unbind(self._endpoint)
-        self._pub.close(linger=0)
+        self._replace_pub()
         self._seq = itertools.count()
         self._next_seq = 0
         self._buffer.clear()
@@ -198,15 +194,16 @@ class KVEventPublisher:
             self._drainer.cancel()  # it may be sleeping on a stale batch that would hold up new ones
         self._holding = None
         self._drainer = self._spawn(self._drain_held())
-        self._pub = self._new_pub()
-        self._bound = False
-        if not self._try_bind(self._pub):
-            self._spawn(self._rebind(self._pub))
         log.info("kv publisher restarted endpoint=%s", self._endpoint)
 
     def drop_connections(self) -> None:
         """Look like a network blip: subscribers lose their connection and dial again, while the
         engine (its seq, its replay buffer) carries on as it was."""
+        self._replace_pub()
+        log.info("kv publisher dropped its connections endpoint=%s", self._endpoint)
+
+    def _replace_pub(self) -> None:
+        """Close the PUB socket (every subscriber is disconnected) and bind a new one on its port."""
         if self._pub is None:
             raise RuntimeError("publisher is not running")
         with contextlib.suppress(zmq.ZMQError):
@@ -216,7 +213,6 @@ class KVEventPublisher:
         self._bound = False
         if not self._try_bind(self._pub):
             self._spawn(self._rebind(self._pub))
-        log.info("kv publisher dropped its connections endpoint=%s", self._endpoint)
 
     # -- publishing --------------------------------------------------------------------------------
 
