@@ -295,7 +295,7 @@ class Backend:
 def _parse_body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise _BadRequest(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(body, dict):
         raise _BadRequest(400, "request body must be a JSON object", "invalid_request")

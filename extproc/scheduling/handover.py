@@ -7,7 +7,8 @@ decision should be counted once and last until the response ends, so the routing
 it under a token its answer carries, and the accounting stream *claims* it with that token.
 
 The two streams reach the picker independently: the accounting stream's first message can arrive
-after the routing stream has ended. Once this process has seen any accounting stream (the gateway
+after the routing stream has ended, or (a response of a millisecond or two) never. Once this
+process has seen any accounting stream (the gateway
 runs one), an unclaimed lease is therefore kept for a grace period after its routing stream ends
 instead of being released at once; gateways without an accounting filter release at once as before.
 An accounting stream that finds no offer (it reached another replica, or came after the grace)
@@ -26,8 +27,13 @@ from collections.abc import Callable
 
 from extproc.scheduling.inflight import Lease
 
-#: Seconds an unclaimed lease waits for its accounting stream after the routing stream ended.
-GRACE_SECONDS = 2.0
+#: Seconds an unclaimed lease waits for its accounting stream after the routing stream ended. The
+#: accounting stream's first message is sent when the request passes its filter, long before the
+#: routing stream ends at the response headers, so a claim this late is rare; what usually ends up
+#: here is a request whose accounting stream Envoy closed before its message got through (with
+#: ``deferred_close_timeout: 0s``, a response within a millisecond or two): short keeps that count
+#: from outliving the request by much.
+GRACE_SECONDS = 0.5
 
 
 class LeaseHandover:
@@ -52,6 +58,14 @@ class LeaseHandover:
     def __len__(self) -> int:
         return len(self._open) + len(self._waiting)
 
+    def debug_state(self) -> dict[str, object]:
+        return {
+            "accountingSeen": self.accounting_seen,
+            "offered": len(self._open),
+            "waiting": len(self._waiting),
+            "expiredUnclaimed": self.expired,
+        }
+
     def offer(self, lease: Lease) -> str:
         """Offer a routed request's lease; the token goes into the routing answer."""
         self._expire()
@@ -68,7 +82,8 @@ class LeaseHandover:
             self._waiting[token] = (lease, self._clock() + self._grace)
             with contextlib.suppress(RuntimeError):  # no event loop: expiry waits for the next call
                 # Expire it even if no further request comes to do so.
-                asyncio.get_running_loop().call_later(self._grace, self._expire)
+                # (A little late: the loop's timers may fire a hair before the clock reaches it.)
+                asyncio.get_running_loop().call_later(self._grace + 0.01, self._expire)
         else:
             lease.release()
         self._expire()

@@ -54,6 +54,14 @@ class InFlight:
             self._prefills.setdefault(address, {})[key] = (prefill_tokens, self._clock() + prefill_seconds)
         return Lease(self, address, key)
 
+    def _prefill_done(self, address: EndpointAddress, key: int | None) -> None:
+        if key is not None:
+            prefills = self._prefills.get(address)
+            if prefills is not None:
+                prefills.pop(key, None)
+                if not prefills:
+                    del self._prefills[address]
+
     def _release(self, address: EndpointAddress, key: int | None) -> None:
         left = self._counts.get(address, 0) - 1
         if left > 0:
@@ -61,12 +69,7 @@ class InFlight:
         else:
             # Drop zero entries so endpoints that left the pool do not linger forever.
             self._counts.pop(address, None)
-        if key is not None:
-            prefills = self._prefills.get(address)
-            if prefills is not None:
-                prefills.pop(key, None)
-                if not prefills:
-                    del self._prefills[address]
+        self._prefill_done(address, key)
 
     def snapshot(self) -> Mapping[EndpointAddress, int]:
         return dict(self._counts)
@@ -91,3 +94,9 @@ class Lease:
         if not self.released:
             self.released = True
             self._owner._release(self.address, self._key)
+
+    def first_token(self) -> None:
+        """The response has begun (its headers came back): the prefill is over, whatever was
+        predicted; the request still counts, as decoding."""
+        if not self.released:
+            self._owner._prefill_done(self.address, self._key)

@@ -191,6 +191,7 @@ class Server:
             "catalogGeneration": self.store.generation,
             "catalog": self.store.current.to_debug(),
             "inflight": dict(sorted(self.inflight.snapshot().items())),
+            "leaseHandover": self.scheduler.handover.debug_state(),
             "prefix": self.prefix.debug_state(),
             "policy": self.scheduler.policy.name,
             "modelDiscovery": self.discovery.debug_state(),

@@ -263,6 +263,9 @@ class RequestStream:
     # -- response path ------------------------------------------------------------------------
 
     def _on_response(self, kind: str | None) -> Responses:
+        if kind == "response_headers" and self.lease is not None:
+            # The engine answered: its prefill is done (the count now stands for decoding).
+            self.lease.first_token()
         if kind == "response_headers" and self._explanation:
             return [messages.response_headers_response(self._explanation)]
         if kind in ("response_headers", "response_body", "response_trailers"):

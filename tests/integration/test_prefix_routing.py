@@ -161,6 +161,8 @@ async def test_follow_ups_sharing_a_long_prefix_land_on_the_engine_holding_it(
     )
     assert all(indexed_blocks(gw.server, ids, gw.engines)[a] == 0 for a in gw.others(owner))
 
+    # The first request's count ends a few ms after its response (the accounting stream's close).
+    await eventually(lambda: gw.server.inflight.total == 0, what="the first request no longer in flight")
     # Concurrent follow-ups: the cache wins over load (the owner has several in flight at once).
     bodies = [chat(system, q) for q in QUESTIONS]
     precise = gw.server.prefix.scorer.counters.lookups["precise"]
@@ -196,9 +198,15 @@ async def test_different_prefixes_spread_over_engines_then_stick(
             resp = await streams.enter_async_context(gw.session.post(gw.url + CHAT, json=body))
             assert resp.status == 200, await resp.text()
             responses.append(resp)
-            # Headers came from the engine, so the router has decided and counts it in flight.
-            inflight = {a: n for a, n in gw.server.inflight.snapshot().items() if n}
-            assert len(inflight) == i + 1 and set(inflight.values()) == {1}, inflight
+
+            # Headers came from the engine, so the router has decided; the request counts in flight
+            # (held by its accounting stream, which reaches the router on its own).
+            def counted(n: int = i + 1) -> bool:
+                inflight = {a: c for a, c in gw.server.inflight.snapshot().items() if c}
+                return len(inflight) == n and set(inflight.values()) == {1}
+
+            await eventually(counted, what=f"{i + 1} requests each on its own engine, in flight")
+            inflight = {a: c for a, c in gw.server.inflight.snapshot().items() if c}
             owners.append(next(a for a in inflight if a not in owners))
         # Nothing was cached for any of them: least in flight put each on its own engine.
         assert sorted(owners) == sorted(e.address for e in gw.engines)
@@ -219,6 +227,9 @@ async def test_different_prefixes_spread_over_engines_then_stick(
     # Now each prefix has a home: follow-ups go there, one at a time (so load is equal everywhere).
     for _round in range(2):
         for owner, system in zip(owners, systems, strict=True):
+            await eventually(
+                lambda: gw.server.inflight.total == 0, what="the previous one no longer in flight"
+            )
             before = finished(gw.engines)
             answer = await gw.post(CHAT, chat(system, f"Another question, round {_round}?"))
             assert served_by(before, gw.engines) == owner
@@ -261,6 +272,7 @@ async def test_a_chat_the_routers_template_refuses_routes_approximately(
     assert counters.lookups == {**lookups, "approximate": lookups["approximate"] + 1}
 
     # The router remembered where it sent that prompt: the same chat follows it there.
+    await eventually(lambda: gw.server.inflight.total == 0, what="the first chat no longer in flight")
     before = finished(gw.engines)
     again = await gw.post(CHAT, body)
     assert served_by(before, gw.engines) == first

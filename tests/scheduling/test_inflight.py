@@ -46,3 +46,16 @@ def test_leases_release_once() -> None:
     assert inflight.count(a) == 1
     second.release()
     assert inflight.snapshot() == {}
+
+
+def test_first_token_ends_the_predicted_prefill_but_not_the_count() -> None:
+    """The response began: the request stops counting as prefill work, still counts in flight."""
+    clock = Clock()
+    inflight = InFlight(clock)
+    lease = inflight.acquire(A, prefill_tokens=800, prefill_seconds=10.0)
+    assert inflight.pending_prefill(A) == (800, 1)
+    lease.first_token()
+    assert inflight.pending_prefill(A) == (0, 0) and inflight.count(A) == 1
+    lease.release()
+    lease.first_token()  # after release: harmless
+    assert inflight.count(A) == 0

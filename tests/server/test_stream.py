@@ -493,3 +493,20 @@ def test_without_an_accounting_stream_the_routing_stream_releases_its_lease() ->
     assert sum(h.inflight.snapshot().values()) == 1
     s.close()
     assert h.inflight.snapshot() == {}
+
+
+def test_response_headers_end_the_requests_predicted_prefill() -> None:
+    """Once the engine's answer begins, our accounting stops charging its endpoint for the prefill."""
+    h = Harness()
+    h.scheduler.policy = PredictedTTFT(lambda _e: DEFAULT)
+    s = h.stream()
+    s.handle(headers())
+    [answer] = s.handle(body(chat()))
+    pick = EndpointAddress(
+        set_headers(answer.request_body.response)["x-gateway-destination-endpoint"].split(",")[0]
+    )
+    assert h.inflight.pending_prefill(pick)[0] > 0
+    response = ep.ProcessingRequest()
+    response.response_headers.end_of_stream = False
+    s.handle(response)
+    assert h.inflight.pending_prefill(pick) == (0, 0) and h.inflight.count(pick) == 1
