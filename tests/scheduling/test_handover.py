@@ -4,17 +4,7 @@ from __future__ import annotations
 
 from extproc.scheduling.handover import LeaseHandover
 from extproc.scheduling.inflight import InFlight
-from extproc.types import EndpointAddress
-
-A = EndpointAddress("10.0.0.1:8000")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from scheduling.test_inflight import A, Clock
 
 
 def setup() -> tuple[InFlight, LeaseHandover, Clock]:
@@ -47,7 +37,7 @@ def test_a_late_accounting_stream_still_finds_the_lease_within_the_grace() -> No
     assert handover.claim("") is None  # an accounting stream was seen
     token = handover.offer(inflight.acquire(A))
     handover.routing_ended(token)
-    clock.now = 1.5
+    clock.now += 1.5
     assert inflight.count(A) == 1
     lease = handover.claim(token)
     assert lease is not None and inflight.count(A) == 1
@@ -63,7 +53,7 @@ def test_an_unclaimed_lease_is_released_after_the_grace_and_memory_stays_bounded
     for token in tokens:
         handover.routing_ended(token)
     assert inflight.count(A) == 100
-    clock.now = 2.5
+    clock.now += 2.5
     handover.offer(inflight.acquire(A))  # any call sweeps what expired
     assert inflight.count(A) == 1 and len(handover) == 1
     assert handover.claim(tokens[0]) is None  # too late: that accounting stream takes its own
