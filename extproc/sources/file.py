@@ -9,11 +9,13 @@ its last valid version stays in use; a file that cannot be read or parsed at all
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -82,6 +84,25 @@ def compile_documents(data: bytes, previous: Mapping[ObjectKey, Resource], *, pa
         found = f"{len(objects)} object(s), none of them an" if objects else "nothing: no"
         raise SourceError(f"{where} holds {found} InferenceWorkerSet, Service or EndpointSlice")
     return compile_objects(objects, previous)
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a catalog is parsed in its worker thread.
+
+    Parsing a large file allocates millions of objects, and each full collection that triggers
+    walks all of them while holding the GIL: the event loop (every decision) waited up to ~400 ms
+    for one (bench/results/catalog_stall.md). Parsed YAML holds no cycles, so nothing is lost by
+    collecting after the parse instead. The pause is process-wide, for as long as a parse takes
+    (about 10 s for a file at the 16 MiB default of --max-catalog-bytes).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _read(path: Path, max_bytes: int) -> _Read:
@@ -186,7 +207,8 @@ class FileSource:
         if self._rejected is not None and read.digest == self._rejected[0]:
             return _Failed(self._rejected[1], read)
         try:
-            return read, compile_documents(read.data, self._valid, path=self.path)
+            with _collection_paused():
+                return read, compile_documents(read.data, self._valid, path=self.path)
         except SourceError as exc:
             return _Failed(str(exc), read)
         except Exception as exc:
