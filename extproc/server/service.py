@@ -58,16 +58,7 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
         stream: RequestStream | AccountingStream | None = None
         self._metrics.streams.inc()
         try:
-            async for request in _decoded(request_iterator):
-                if request is None:
-                    # Not a ProcessingRequest at all: Envoy never sends one, so whoever did gets a
-                    # gRPC error naming the problem, counted, logged once a minute (not a traceback).
-                    self._metrics.requests.labels("malformed_message").inc()
-                    if _MALFORMED.allow("", "decode"):
-                        log.warning("ext_proc message not decodable; stream ended with INVALID_ARGUMENT")
-                    await context.abort(
-                        grpc.StatusCode.INVALID_ARGUMENT, "not an envoy.service.ext_proc.v3.ProcessingRequest"
-                    )
+            async for request in request_iterator:
                 if stream is None:
                     stream = self._stream_for(request)
                 try:
@@ -80,6 +71,15 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                     return
                 for response in responses:
                     yield response
+        except DecodeError:
+            # Not a ProcessingRequest at all (raised by the iterator): Envoy never sends one, so
+            # whoever did gets a gRPC error naming the problem, counted, logged once a minute.
+            self._metrics.requests.labels("malformed_message").inc()
+            if _MALFORMED.allow("", "decode"):
+                log.warning("ext_proc message not decodable; stream ended with INVALID_ARGUMENT")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "not an envoy.service.ext_proc.v3.ProcessingRequest"
+            )
         finally:
             if stream is not None:
                 stream.close()
@@ -96,14 +96,3 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
             budget=self._budget,
             decision_headers=self._decision_headers,
         )
-
-
-async def _decoded(
-    requests: AsyncIterator[ep.ProcessingRequest],
-) -> AsyncIterator[ep.ProcessingRequest | None]:
-    """The stream's messages; None (then the end) where one could not be decoded."""
-    try:
-        async for request in requests:
-            yield request
-    except DecodeError:
-        yield None

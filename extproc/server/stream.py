@@ -252,12 +252,13 @@ class RequestStream:
             response = messages.routed_body_response(destination, body=body, extra=extra)
         self._metrics.decision_seconds.observe(time.perf_counter() - started)
         self._metrics.requests.labels("routed").inc()
-        log.debug(
-            "routed request_id=%s model=%s destination=%s",
-            self.request_id,
-            decision.route.client_name if decision.route else "-",
-            destination,
-        )
+        if log.isEnabledFor(logging.DEBUG):  # the hot path: no escaping work unless it is logged
+            log.debug(
+                "routed request_id=%s model=%s destination=%s",
+                self.request_id,
+                decision.route.client_name if decision.route else "-",
+                destination,
+            )
         return response
 
     # -- response path ------------------------------------------------------------------------
