@@ -8,9 +8,9 @@ it under a token its answer carries, and the accounting stream *claims* it with 
 
 The two streams reach the picker independently: the accounting stream's first message can arrive
 after the routing stream has ended, or (a response of a millisecond or two) never. Once this
-process has seen any accounting stream (the gateway
-runs one), an unclaimed lease is therefore kept for a grace period after its routing stream ends
-instead of being released at once; gateways without an accounting filter release at once as before.
+process has seen any accounting stream (the gateway runs one), an unclaimed lease is therefore
+kept for a grace period after its routing stream ends instead of being released at once; gateways
+without an accounting filter release at once as before.
 An accounting stream that finds no offer (it reached another replica, or came after the grace)
 takes a lease of its own on the request's destination.
 """
@@ -30,9 +30,9 @@ from extproc.scheduling.inflight import Lease
 #: Seconds an unclaimed lease waits for its accounting stream after the routing stream ended. The
 #: accounting stream's first message is sent when the request passes its filter, long before the
 #: routing stream ends at the response headers, so a claim this late is rare; what usually ends up
-#: here is a request whose accounting stream Envoy closed before its message got through (with
-#: ``deferred_close_timeout: 0s``, a response within a millisecond or two): short keeps that count
-#: from outliving the request by much.
+#: here is a request whose accounting stream Envoy closed before its message got through (a
+#: response within a few milliseconds, rare with the shipped ``deferred_close_timeout: 0.02s``):
+#: short keeps that count from outliving the request by much.
 GRACE_SECONDS = 0.5
 
 
