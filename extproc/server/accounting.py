@@ -17,7 +17,6 @@ from typing import Protocol
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.scheduling.inflight import Lease
 from extproc.server import messages
-from extproc.telemetry import clip
 
 #: The pick's predicted prefill ("tokens,seconds"), set by the routing answer, so the accounting
 #: stream can charge the endpoint for it whichever replica it reaches.
@@ -47,7 +46,7 @@ class AccountingStream:
 
     @property
     def request_id(self) -> str:
-        return clip(self._headers.get("x-request-id", ""), 128)
+        return messages.request_id(self._headers)
 
     def handle(self, request: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         """Take the lease on the first request headers; nothing is ever answered."""

@@ -15,6 +15,7 @@ from extproc.openai import error_body
 from extproc.pb.envoy.config.core.v3 import base_pb2 as core
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.pb.envoy.type.v3 import http_status_pb2 as http_status
+from extproc.telemetry import clip
 
 #: The endpoint picker protocol's destination header and envoy.lb metadata key.
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -35,6 +36,11 @@ def header_map(headers: ep.HttpHeaders) -> dict[str, str]:
         value = header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
         result[header.key.lower()] = value
     return result
+
+
+def request_id(headers: dict[str, str]) -> str:
+    """The client's ``x-request-id``, made safe for logs and answers (escaped, bounded)."""
+    return clip(headers.get("x-request-id", ""), 128)
 
 
 def subset_hint(request: ep.ProcessingRequest) -> frozenset[str] | None:

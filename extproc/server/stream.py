@@ -105,8 +105,7 @@ class RequestStream:
 
     @property
     def request_id(self) -> str:
-        """The client's ``x-request-id``, made safe for logs and answers (escaped, bounded)."""
-        return clip(self._headers.get("x-request-id", ""), 128)
+        return messages.request_id(self._headers)
 
     def handle(self, request: ep.ProcessingRequest) -> Responses:
         """Answer one message from Envoy; errors a client caused become HTTP answers."""
