@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import resource
 import tempfile
 import time
@@ -27,6 +28,7 @@ from machine import machine
 from extproc.demo.catalog import LocalWorkerSet, catalog_documents
 from extproc.serve.app import Server
 from extproc.settings import ServeSettings, SourceSettings
+from extproc.sources.file import compile_documents
 
 HERE = Path(__file__).resolve().parent
 ALIAS_BOMB = (
@@ -84,13 +86,17 @@ async def measure(services: int) -> dict[str, Any]:
     path.write_bytes(base)
     limit = 16 * 1024 * 1024
     big = large_catalog(services)
+    # (what the file becomes, its bytes, what the file held before)
     cases = [
-        ("large valid catalog", big),
-        ("alias bomb", ALIAS_BOMB),
-        ("garbage", b"\x00\xff" * 1000 + b"not yaml: [\n"),
-        ("empty", b""),
-        ("over the size limit", b"# padding\n" * (limit // 10 + 1)),
+        ("large valid catalog", big, base),
+        ("small catalog replacing the large one", base, big),
+        ("alias bomb", ALIAS_BOMB, base),
+        ("garbage", b"\x00\xff" * 1000 + b"not yaml: [\n", base),
+        ("empty", b"", base),
+        ("over the size limit", b"# padding\n" * (limit // 10 + 1), base),
     ]
+    base_sets = compile_documents(base, {}, path=path).catalog.worker_sets
+    big_sets = compile_documents(big, {}, path=path).catalog.worker_sets
     settings = ServeSettings(
         source=SourceSettings.parse(f"file:{path}", poll_interval=0.05, max_bytes=limit),
         listen="127.0.0.1:0",
@@ -101,14 +107,15 @@ async def measure(services: int) -> dict[str, Any]:
     async with Server(settings) as server:
         probe = LagProbe()
         probe.start()
-        for name, content in cases:
-            path.write_bytes(base)
-            await _settle(server)
+        for name, content, before in cases:
+            await asyncio.to_thread(_replace, path, before)
+            await _settle(server, expected_sets=len(big_sets) if before is big else len(base_sets))
             generation, errors = server.store.generation, server.source.reloads_failed
             rss_before = rss_mb()
             probe.reset()
             started = time.monotonic()
-            path.write_bytes(content)
+            # Written from a worker thread: the harness's own 15 MB write must not count as lag.
+            await asyncio.to_thread(_replace, path, content)
             while server.store.generation == generation and server.source.reloads_failed == errors:
                 if time.monotonic() - started > 300:
                     break
@@ -131,12 +138,20 @@ async def measure(services: int) -> dict[str, Any]:
     return results
 
 
-async def _settle(server: Server) -> None:
-    """Wait until the base catalog is the one in use again."""
-    for _ in range(500):
-        if server.source.last_error is None and len(server.store.current.worker_sets) == 20:
+def _replace(path: Path, content: bytes) -> None:
+    """Replace the file in one step, as editors and ConfigMap mounts do (no half-written reads)."""
+    staged = path.with_suffix(".staged")
+    staged.write_bytes(content)
+    os.replace(staged, path)
+
+
+async def _settle(server: Server, *, expected_sets: int) -> None:
+    """Wait until the catalog the case starts from is the one in use."""
+    for _ in range(6000):
+        if server.source.last_error is None and len(server.store.current.worker_sets) == expected_sets:
             return
         await asyncio.sleep(0.01)
+    raise RuntimeError(f"the starting catalog ({expected_sets} worker sets) never loaded")
 
 
 def report(results: dict[str, Any]) -> str:
@@ -158,6 +173,13 @@ def report(results: dict[str, Any]) -> str:
             f"{'yes' if c['catalog_replaced'] else 'no'} | {c['worker_sets_routed']} | "
             f"{c['peak_rss_growth_mb']} |"
         )
+    lines += [
+        "",
+        "What the loop still pays for a valid catalog is applying it: swapping the routing tables",
+        "and freeing the catalog it replaces, both in proportion to the number of worker sets. The",
+        "parse itself runs in a worker thread with cyclic collection paused, frees its documents a",
+        "few at a time, and hands its objects to the oldest generation without walking them.",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -83,7 +83,28 @@ def compile_documents(data: bytes, previous: Mapping[ObjectKey, Resource], *, pa
     if not any(is_catalog_object(obj) for obj in objects):
         found = f"{len(objects)} object(s), none of them an" if objects else "nothing: no"
         raise SourceError(f"{where} holds {found} InferenceWorkerSet, Service or EndpointSlice")
-    return compile_objects(objects, previous)
+    compiled = compile_objects(objects, previous)
+    objects.clear()
+    _release(documents)
+    return compiled
+
+
+def _release(documents: list[Any]) -> None:
+    """Free parsed documents one at a time, so the thread can yield the GIL between them.
+
+    Dropping the whole list at once frees millions of objects in one uninterruptible call:
+    ~60 ms during which the event loop cannot run, for a catalog of 18,000 worker sets.
+    """
+    while documents:
+        documents.pop()
+
+
+def _release_objects(retired: list[dict[ObjectKey, Resource]]) -> None:
+    """Free replaced objects a few at a time in a worker thread (see ``_release``)."""
+    while retired:
+        objects = retired.pop()
+        while objects:
+            objects.popitem()
 
 
 @contextlib.contextmanager
@@ -95,12 +116,19 @@ def _collection_paused() -> Iterator[None]:
     for one (bench/results/catalog_stall.md). Parsed YAML holds no cycles, so nothing is lost by
     collecting after the parse instead. The pause is process-wide, for as long as a parse takes
     (about 10 s for a file at the 16 MiB default of --max-catalog-bytes).
+
+    Afterwards everything the parse allocated still counts as young, and the first collection
+    after enabling would walk all of it at once (~60 ms). A freeze immediately undone moves every
+    tracked object to the oldest generation without walking any (two list splices), so they are
+    examined only by a later full collection, whose cost any process of that size pays anyway.
     """
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        gc.freeze()
+        gc.unfreeze()
         if enabled:
             gc.enable()
 
@@ -161,6 +189,8 @@ class FileSource:
         #: Digest of the last content that failed to parse, and why: not parsed again each poll.
         self._rejected: tuple[bytes, str] | None = None
         self._valid: dict[ObjectKey, Resource] = {}
+        #: Replaced ``_valid`` dicts, freed off the event loop by ``watch``.
+        self._retired: list[dict[ObjectKey, Resource]] = []
         self._problems = ProblemLog(logger, f"path={self.path}")
 
     def load(self) -> Catalog:
@@ -175,7 +205,9 @@ class FileSource:
 
     def poll(self) -> Catalog | None:
         """One check, synchronously: the new catalog if the file changed and loads, else None."""
-        return self._commit(self._check())
+        catalog = self._commit(self._check())
+        self._retired.clear()
+        return catalog
 
     async def watch(self, publish: Callable[[Catalog], None]) -> None:
         """Poll every ``poll_interval`` seconds and publish each new catalog; runs until cancelled."""
@@ -185,6 +217,9 @@ class FileSource:
             catalog = self._commit(outcome)
             if catalog is not None:
                 publish(catalog)
+            if self._retired:
+                retired, self._retired = self._retired, []
+                await asyncio.to_thread(_release_objects, retired)
             await asyncio.sleep(self.poll_interval)
 
     def debug_state(self) -> dict[str, Any]:
@@ -234,6 +269,7 @@ class FileSource:
     def _apply(self, read: _Read, compiled: Compiled) -> Catalog:
         self._remember(read)
         self._applied, self._rejected = read.digest, None
+        self._retired.append(self._valid)
         self._valid = compiled.valid
         self.reloads_ok += 1
         self._recover()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import re
+import weakref
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -261,6 +263,31 @@ async def test_watch_picks_up_an_edit(catalog_file: Path) -> None:
         "127.0.0.5:8000",
     ]
     assert source.reloads_ok == 2
+
+
+async def test_reloads_leave_garbage_collection_working(catalog_file: Path) -> None:
+    """Collection is paused while a file parses; afterwards cycles are collected again."""
+    assert gc.isenabled()
+    source = source_for(catalog_file)
+    source.load()
+    docs = fixture_docs()
+    # Garbage from before the reloads: a freeze left in place would keep it forever.
+    probe = weakref.ref(_Cyclic())
+    async with watching(source) as published:
+        for edit in range(3):
+            find(docs, "Service", "qwen-2-7b")["metadata"]["labels"] = {"edit": str(edit)}
+            write(catalog_file, docs)
+            await published.next()
+    assert gc.isenabled()
+    gc.collect()
+    assert probe() is None
+
+
+class _Cyclic:
+    """Garbage only the cycle collector can free."""
+
+    def __init__(self) -> None:
+        self.me = self
 
 
 async def test_invalid_edit_keeps_the_previous_version(catalog_file: Path) -> None:
