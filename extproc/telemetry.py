@@ -81,6 +81,13 @@ class Metrics:
             "Request-body bytes held by streams waiting for their last chunk (see --max-buffered-bytes).",
             registry=self.registry,
         )
+        self.upstream_connect_failures = Counter(
+            "extproc_upstream_connect_failures_total",
+            "Routed requests Envoy could not connect to the endpoint for (read from the response "
+            "attributes upstream.address and response.code_details; the endpoint is routed around "
+            "until its metrics answer again).",
+            registry=self.registry,
+        )
         self.model_rewrites = Counter(
             "extproc_model_rewrites_total",
             "Requests whose body model was rewritten from an alias to the upstream name.",

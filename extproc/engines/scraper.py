@@ -228,10 +228,25 @@ class EngineScraper(EndpointPoller):
         state.failures += 1
         state.error, state.error_at = str(error), now
         self.warn_sometimes(address, error)
-        if error.unreachable and not state.unreachable:
-            state.unreachable = True
-            log.warning("engine unreachable, routed around until it answers endpoint=%s", address)
-            try:
-                self._on_unreachable(address)
-            except Exception:
-                log.exception("on_unreachable failed endpoint=%s", address)
+        if error.unreachable:
+            self._mark_unreachable(address, state, "its metrics port refused the connection")
+
+    def connection_failed(self, address: EndpointAddress) -> None:
+        """The gateway could not connect to ``address`` for a request: as good as a refused scrape.
+
+        Routed around at once, until a scrape succeeds again (within one interval if it was a
+        fluke). Addresses outside the catalog are ignored.
+        """
+        state = self._states.get(address)
+        if state is not None:
+            self._mark_unreachable(address, state, "the gateway could not connect to it")
+
+    def _mark_unreachable(self, address: EndpointAddress, state: _State, why: str) -> None:
+        if state.unreachable:
+            return
+        state.unreachable = True
+        log.warning("engine unreachable, routed around until it answers endpoint=%s reason=%r", address, why)
+        try:
+            self._on_unreachable(address)
+        except Exception:
+            log.exception("on_unreachable failed endpoint=%s", address)

@@ -62,6 +62,9 @@ _HARD_LIMIT_FACTOR: Final = 2
 #: Signs that libzmq is (re)dialing by itself; after a disconnect, their absence means it gave up.
 _DIALING_EVENTS: Final = (zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CONNECT_DELAYED, zmq.EVENT_CONNECTED)
 _MONITOR_EVENTS: Final = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | sum(_DIALING_EVENTS)
+#: After joining from the replay buffer alone, the last this many replayed batches may still arrive
+#: live (published while we asked): they are recognised as copies, not taken for a restart.
+_LIVE_DUPLICATES: Final = 64
 
 
 class KVEventSink(Protocol):
@@ -293,6 +296,7 @@ class KVEventSubscriber:
                 self._redial(sub)
             # Monitor first: a disconnect must be known before the next message.
             if monitor in ready and self._on_monitor_event(await monitor.recv_multipart()):
+                self._apply_resync()
                 await self._check_incarnation()
             if sub in ready:
                 frames = await sub.recv_multipart()
@@ -326,9 +330,14 @@ class KVEventSubscriber:
         A restarted engine that stays idle publishes nothing, so without this its old blocks would
         keep steering traffic until its first batch. The publisher still buffers the last batch we
         delivered (the anchor) unless it restarted: an empty replay, or a different anchor, is a
-        restart. A failed replay tells nothing; the next live message is verified as before.
+        restart. A failed replay tells nothing; the next live message is verified as before. After a
+        restart (or a resync asked while the engine was gone), what the new incarnation already
+        published is read from its replay buffer at once.
         """
-        if self.replay_address is None or self._expected is None or self._expected == 0:
+        if self.replay_address is None:
+            return
+        if self._expected is None:  # told to start over (the engine was gone): join it now
+            await self._join_from_replay(self.replay_address)
             return
         ask = self._expected - 1
         self._counts.reconnect_checks += 1
@@ -342,6 +351,28 @@ class KVEventSubscriber:
             self._reset(f"publisher restarted (replayed seq {ask} differs from the one delivered)")
         elif first.seq == ask:
             self._verify_next = False  # the same engine: its next message needs no second check
+            return
+        else:
+            return
+        await self._join_from_replay(self.replay_address)
+
+    async def _join_from_replay(self, replay_address: str) -> None:
+        """Take what a restarted engine already published from its replay buffer, now.
+
+        Batches it sent before our SUB was back reached nobody (PUB drops them), and an engine that
+        then idles may publish nothing for long: waiting for its next batch would leave its cache
+        unknown meanwhile. Live copies of the replayed batches are recognised as duplicates.
+        """
+        replayed, cause = await self._fetch(replay_address, 0)
+        if cause is not None or not replayed:
+            return  # nothing yet (or no answer): the next live message joins as usual
+        *earlier, last = replayed
+        lost = self._merge(0, last, earlier, cause, joining=True)
+        self._count_replay(0, cause, lost)
+        for batch in replayed[-_LIVE_DUPLICATES:]:
+            self._ahead[batch.seq] = batch.digest
+        if self._complete is None:
+            self._set_complete(True, "in sync from seq 0")
 
     def _redial(self, sub: zmq.asyncio.Socket) -> None:
         """Dial again: after a protocol error (a frame over ZMQ_MAXMSGSIZE, a bad handshake) libzmq
@@ -357,11 +388,14 @@ class KVEventSubscriber:
         """Start over from seq 0 at the next message (the stream's own task does it, in order)."""
         self._resync = reason
 
-    async def _on_message(self, frames: list[bytes]) -> None:
+    def _apply_resync(self) -> None:
         if self._resync is not None:
             # The sink was reset when the resync was asked for; only our position is left to drop.
             reason, self._resync = self._resync, None
             self._start_over(reason)
+
+    async def _on_message(self, frames: list[bytes]) -> None:
+        self._apply_resync()
         self._counts.received += 1
         self._last_message_at = self._clock()
         if len(frames) != 3 or len(frames[1]) != 8 or frames[1] == END_SEQ:

@@ -75,6 +75,7 @@ class Scheduler:
         policy: Policy | None = None,
         signals: Callable[[EndpointAddress], EngineSignals | None] | None = None,
         reachable: Callable[[EndpointAddress], bool] | None = None,
+        on_unreachable: Callable[[EndpointAddress], None] | None = None,
     ) -> None:
         self._catalog = catalog
         self._inflight = inflight
@@ -84,6 +85,7 @@ class Scheduler:
         self.policy: Policy = policy or CacheThenLoad()
         self._signals = signals or (lambda _address: None)
         self._reachable = reachable or (lambda _address: True)
+        self._on_unreachable = on_unreachable or (lambda _address: None)
         #: The catalog last looked at by :meth:`lease_for`, and its endpoint addresses.
         self._addresses_of: tuple[Catalog | None, frozenset[str]] = (None, frozenset())
         #: Routed requests' leases on their way to their accounting streams.
@@ -167,6 +169,10 @@ class Scheduler:
     def routing_ended(self, token: str) -> None:
         """A routing stream that offered its lease ended (see :mod:`.handover`)."""
         self.handover.routing_ended(token)
+
+    def unreachable(self, address: EndpointAddress) -> None:
+        """The gateway could not connect to ``address``; whoever judges reachability hears of it."""
+        self._on_unreachable(address)
 
     def lease_for(
         self, destination: str, *, token: str = "", prefill_tokens: int = 0, prefill_seconds: float = 0.0

@@ -70,6 +70,8 @@ class Server:
             policy=self._policy(settings.policy or DEFAULT_POLICY),
             signals=self.scraper.usable if settings.scrape_interval > 0 else None,
             reachable=self.scraper.reachable if settings.scrape_interval > 0 else None,
+            # Without scrapes nothing would notice the endpoint come back: it is not routed around.
+            on_unreachable=self.scraper.connection_failed if settings.scrape_interval > 0 else None,
         )
         self.budget = BodyBudget(settings.max_buffered_bytes)
         self.metrics.registry.register(CatalogCollector(lambda: self.store.current, self.inflight.snapshot))

@@ -64,7 +64,7 @@ class PrefixRouting:
         Its KV-event sources are reset now (their blocks leave the index; a new incarnation is read
         from seq 0), and our approximate memory of what we sent it is dropped.
         """
-        self.subscriptions.resync(address, "engine unreachable (its metrics port refused the connection)")
+        self.subscriptions.resync(address, "engine unreachable (connections to it are refused)")
         self.approx.forget(self._endpoints - {address})
 
     def start(self) -> None:

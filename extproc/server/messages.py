@@ -43,6 +43,36 @@ def request_id(headers: dict[str, str]) -> str:
     return clip(headers.get("x-request-id", ""), 128)
 
 
+#: ``response_attributes`` the shipped configs ask for on the routing filter's response headers.
+UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"
+CODE_DETAILS_ATTRIBUTE = "response.code_details"
+#: Envoy's response code details when it could not open a connection to the upstream (refused,
+#: unreachable, or timed out connecting). A reset after connecting is not among them: the engine was
+#: there, and may have been killed or merely closed one connection.
+_CONNECT_FAILURES = ("remote_connection_failure", "{connection_failure", "connection_timeout")
+
+
+def unreachable_upstream(request: ep.ProcessingRequest) -> str | None:
+    """The ``ip:port`` Envoy could not connect to, if this response is Envoy's answer to that.
+
+    Read from the ``response_attributes`` Envoy attaches to the response headers (keyed by filter
+    name, whatever the filter is called). None when the attributes are not configured, the
+    upstream answered, or the failure was anything but a failed connection.
+    """
+    for attributes in request.attributes.values():
+        fields = attributes.fields
+        details = fields.get(CODE_DETAILS_ATTRIBUTE)
+        address = fields.get(UPSTREAM_ADDRESS_ATTRIBUTE)
+        if details is None or address is None:
+            continue
+        text = details.string_value
+        if text.startswith("upstream_reset_before_response_started") and any(
+            failure in text for failure in _CONNECT_FAILURES
+        ):
+            return address.string_value or None
+    return None
+
+
 def subset_hint(request: ep.ProcessingRequest) -> frozenset[str] | None:
     """The gateway's subset hint (a list or a comma string of ``ip[:port]``), or None if absent."""
     if not request.HasField("metadata_context"):

@@ -71,6 +71,9 @@ class Router(Protocol):
 
     def models(self) -> list[tuple[str, str]]: ...
 
+    def unreachable(self, address: EndpointAddress) -> None:
+        """Envoy could not connect to ``address`` for a request we routed there."""
+
 
 class RequestStream:
     """State of one ext_proc stream."""
@@ -117,6 +120,8 @@ class RequestStream:
                 return self._on_request_body(request.request_body)
             if kind == "request_trailers":
                 return self._on_request_trailers()
+            if kind == "response_headers":
+                self._check_upstream(request)
             return self._on_response(kind)
         except RequestError as error:
             return self._reject(error)
@@ -261,6 +266,18 @@ class RequestStream:
         return response
 
     # -- response path ------------------------------------------------------------------------
+
+    def _check_upstream(self, request: ep.ProcessingRequest) -> None:
+        """Envoy's own 503 for a connection it could not open: the engine is likely gone.
+
+        Routed around at once, instead of at the next scrape: behind ORIGINAL_DST every request
+        sent there in the meantime fails (bench/results/dead_engine.md).
+        """
+        address = messages.unreachable_upstream(request)
+        if address is None:
+            return
+        self._metrics.upstream_connect_failures.inc()
+        self._router.unreachable(EndpointAddress(address))
 
     def _on_response(self, kind: str | None) -> Responses:
         if kind == "response_headers" and self.lease is not None:

@@ -139,6 +139,26 @@ async def test_a_stopped_engine_is_unreachable_once_and_reachable_when_back(sim:
         await scraper_.close()
 
 
+async def test_a_connection_the_gateway_could_not_open_marks_the_engine_until_a_scrape_answers(
+    sim: StartSim,
+) -> None:
+    """Envoy's report is acted on at once; a live engine's next scrape clears a mistaken mark."""
+    store, gone = CatalogStore(), []
+    scraper_ = EngineScraper(store, interval=INTERVAL, timeout=0.5, on_unreachable=gone.append)
+    server = await sim()
+    publish(store, server.address)
+    address = EndpointAddress(server.address)
+    scraper_.connection_failed(address)
+    scraper_.connection_failed(address)
+    scraper_.connection_failed(EndpointAddress("127.0.0.9:1"))  # not in the catalog: ignored
+    assert not scraper_.reachable(address) and gone == [address]  # one notification per outage
+    scraper_.start()
+    try:
+        await eventually(lambda: scraper_.reachable(address), what="the scrape that finds it alive")
+    finally:
+        await scraper_.close()
+
+
 async def test_an_endpoint_removed_from_the_catalog_disappears(
     sim: StartSim, scraper: tuple[CatalogStore, EngineScraper]
 ) -> None:

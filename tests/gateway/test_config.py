@@ -121,6 +121,8 @@ def test_shipped_configs_keep_the_documented_contract(name: str) -> None:
     assert accounting["processing_mode"]["request_header_mode"] == "SEND"
     assert accounting["processing_mode"]["request_body_mode"] == "NONE"
     assert accounting["processing_mode"]["response_trailer_mode"] == "SEND"
+    # Envoy tells the picker which endpoint it could not connect to (its own 503).
+    assert ext_proc["response_attributes"] == ["upstream.address", "response.code_details"]
     assert ext_proc["metadata_options"] == {
         "receiving_namespaces": {"untyped": ["envoy.lb"]},
         "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]},
@@ -146,10 +148,12 @@ def test_shipped_configs_keep_the_documented_contract(name: str) -> None:
             {"header": DEST},
             {"metadata": {"key": "envoy.lb", "path": [{"key": DEST}]}},
         ]
-        assert route_action["retry_policy"] == {
-            "retry_on": "connect-failure,refused-stream,reset",
-            "num_retries": 2,
-        }
+        retry = route_action["retry_policy"]
+        assert (retry["retry_on"], retry["num_retries"]) == ("connect-failure,refused-stream,reset", 2)
+        # Retries avoid the hosts already tried (a dead engine is not picked again by round robin).
+        assert [p["name"] for p in retry["retry_host_predicate"]] == [
+            "envoy.retry_host_predicates.previous_hosts"
+        ]
     else:
         assert pool["type"] == "ORIGINAL_DST"
         assert pool["original_dst_lb_config"] == {"use_http_header": True, "http_header_name": DEST}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,7 +78,8 @@ StartSimGateway = Callable[..., Awaitable[SimGateway]]
 async def sim_gateway(
     envoy_gateway: Callable[..., Awaitable[Any]], tmp_path: Path
 ) -> AsyncIterator[StartSimGateway]:
-    """Factory: ``await sim_gateway(body_mode=..., engines=3, time_scale=0.01, chat_template="llama3")``.
+    """Factory: ``await sim_gateway(body_mode=..., engines=3, time_scale=0.01, chat_template="llama3",
+    config="gateway.yaml", scrape_interval=None)`` (None: the router's default).
 
     Returns once every engine's KV events demonstrably reach the router's index.
     """
@@ -89,6 +91,8 @@ async def sim_gateway(
             engines: int = 3,
             time_scale: float = 0.01,
             chat_template: str = "llama3",
+            config: str = "gateway.yaml",
+            scrape_interval: float | None = None,
         ) -> SimGateway:
             sims = [
                 await stack.enter_async_context(SimServer(engine_settings(time_scale=time_scale)))
@@ -96,13 +100,18 @@ async def sim_gateway(
             ]
             catalog = tmp_path / "catalog.yaml"
             write_catalog(catalog, [worker_set(sims)])
-            server = Server(router_settings(catalog, chat_template=chat_template))
+            settings = router_settings(catalog, chat_template=chat_template)
+            if scrape_interval is not None:
+                settings = dataclasses.replace(settings, scrape_interval=scrape_interval)
+            server = Server(settings)
             stack.push_async_callback(server.stop)
             await server.start()
             gateway = await envoy_gateway(
                 extproc_address=("127.0.0.1", server.grpc_port),
-                pool=[("127.0.0.1", s.port) for s in sims],
+                # An ORIGINAL_DST pool has no endpoints of its own: it connects where we point.
+                pool=None if "original-dst" in config else [("127.0.0.1", s.port) for s in sims],
                 body_mode=body_mode,
+                config=config,
             )
             session = await stack.enter_async_context(
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15))
@@ -336,3 +345,28 @@ async def test_an_engine_leaving_the_catalog_loses_its_blocks_and_comes_back(
     write_catalog(gw.catalog, [worker_set(gw.engines)])
     await sync_sources(gw.server, [gone], gw.session, first_attempt=100)
     assert indexed_blocks(gw.server, warm_ids, gw.engines)[gone.address] == len(warm_ids) // BLOCK
+
+
+async def test_an_engine_refusing_connections_is_routed_around_at_once(sim_gateway: StartSimGateway) -> None:
+    """Behind ORIGINAL_DST a request sent to a dead engine fails; the next one must not follow it.
+
+    Scrapes are an hour apart here, so only Envoy's report of the refused connection (the response
+    attributes of its own 503) can explain the router turning away from the engine.
+    """
+    gw = await sim_gateway(config="gateway-original-dst.yaml", scrape_interval=3600)
+    body = {**warm_up_body(0), "model": "chat", "max_tokens": 2}
+    before = finished(gw.engines)
+    await gw.post(COMPLETIONS, body)
+    holder = served_by(before, gw.engines)  # the engine caching the prompt
+    dead = next(e for e in gw.engines if e.address == holder)
+    await dead.stop()
+
+    async with gw.session.post(gw.url + COMPLETIONS, json=body) as resp:
+        assert resp.status == 503  # Envoy could not connect: nothing can save this one
+    before = finished([e for e in gw.engines if e is not dead])
+    for _ in range(3):
+        await gw.post(COMPLETIONS, body)
+    assert sum(delta(before, finished([e for e in gw.engines if e is not dead])).values()) == 3
+    assert sources(gw.server)[f"{holder}/dp0"]["gpuBlocks"] == 0  # its cache no longer attracts
+    failures = gw.server.metrics.registry.get_sample_value("extproc_upstream_connect_failures_total")
+    assert failures == 1

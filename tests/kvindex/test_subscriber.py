@@ -308,6 +308,38 @@ async def test_an_idle_restarted_engine_is_noticed_on_reconnect(
     assert sink.seqs(since_reset=True)[:2] == [0, 1]
 
 
+@pytest.mark.parametrize(
+    "resync", [False, True], ids=["restart-found-on-reconnect", "resync-asked-while-down"]
+)
+async def test_batches_a_restarted_engine_sent_before_we_reconnected_come_from_its_replay(
+    make_publisher: MakePublisher, make_subscriber: MakeSubscriber, resync: bool
+) -> None:
+    """PUB drops what it sends while nobody is connected: those batches are read back on reconnect,
+    without waiting for the engine to publish again (it may stay idle for long)."""
+    pub, sink = await make_publisher(), RecordingSink()
+    feed = Feed(pub)
+    sub = make_subscriber(pub.endpoint, sink, replay_address=pub.replay_endpoint)
+    await eventually(lambda: len(sink.seqs()) >= 3, tick=feed.publish)
+    if resync:  # what serve does when the engine stops answering (Subscriptions.resync)
+        sink.on_reset(SOURCE, "engine unreachable")
+        sub.request_resync("engine unreachable")
+    pub.restart()
+    feed.sent.clear()
+    last = feed.burst(3)  # before the SUB is back; nothing is published after this
+    await eventually(
+        lambda: bool(sink.of("reset")) and sink.seqs(since_reset=True) == list(range(last + 1)),
+        what="the replayed batches",
+    )
+    assert [payload for _, payload in sink.of("batch", since_reset=True)] == [
+        feed.sent[s] for s in range(last + 1)
+    ]
+    assert sub.stats().complete is True
+    more = feed.burst(2)  # and the live stream goes on from there, with no second reset
+    await eventually(lambda: sink.seqs()[-1] == more, what="the next live batches")
+    assert sink.seqs(since_reset=True) == list(range(more + 1))
+    assert sub.stats().counters.restarts == (0 if resync else 1)
+
+
 async def test_a_reconnect_to_the_same_engine_resets_nothing(
     make_publisher: MakePublisher, make_subscriber: MakeSubscriber
 ) -> None:

@@ -354,6 +354,7 @@ class _RankedRouter:
         self.inflight = InFlight()
         self.rank = rank
         self._offered: Lease | None = None
+        self.unreachable_reports: list[EndpointAddress] = []
 
     def schedule(self, request: InferenceRequest | None, subset: frozenset[str] | None = None) -> Decision:
         route = _catalog().resolve("llama-3-8b")
@@ -374,6 +375,9 @@ class _RankedRouter:
     def routing_ended(self, token: str) -> None:
         if self._offered is not None:
             self._offered.release()
+
+    def unreachable(self, address: EndpointAddress) -> None:
+        self.unreachable_reports.append(address)
 
     def lease_for(
         self, destination: str, *, token: str = "", prefill_tokens: int = 0, prefill_seconds: float = 0.0
@@ -400,6 +404,57 @@ def _response_headers() -> ep.ProcessingRequest:
     h = request.response_headers.headers.headers.add()
     h.key, h.raw_value = ":status", b"200"
     return request
+
+
+def _envoy_answer(
+    address: str, details: str, *, filter_name: str = "envoy.filters.http.ext_proc"
+) -> ep.ProcessingRequest:
+    """Response headers with the ``response_attributes`` the shipped configs ask for."""
+    request = _response_headers()
+    attributes = request.attributes[filter_name]
+    attributes.update({"upstream.address": address, "response.code_details": details})
+    return request
+
+
+#: What Envoy 1.40 reported for a killed engine (bench/dead_engine.py).
+REFUSED = (
+    "upstream_reset_before_response_started"
+    "{remote_connection_failure|delayed_connect_error:_Connection_refused}"
+)
+
+
+@pytest.mark.parametrize(
+    ("details", "reported"),
+    [
+        (REFUSED, True),
+        ("upstream_reset_before_response_started{connection_failure}", True),
+        ("upstream_reset_before_response_started{connection_timeout}", True),
+        ("via_upstream", False),  # the engine answered (whatever its status)
+        ("upstream_reset_before_response_started{connection_termination}", False),  # it was there
+        ("upstream_response_timeout", False),
+    ],
+)
+def test_envoys_failed_connections_are_reported_to_the_router(details: str, reported: bool) -> None:
+    """Envoy's own 503 for a connection it could not open tells the router that endpoint is gone."""
+    router = _RankedRouter(None)
+    metrics = Metrics()
+    s = RequestStream(router, metrics, max_body_bytes=1 << 20, budget=BodyBudget(1 << 30))
+    s.handle(headers())
+    s.handle(body(chat("llama-3-8b")))
+    [answer] = s.handle(_envoy_answer("127.0.0.1:8000", details, filter_name="my-picker"))
+    assert answer.WhichOneof("response") == "response_headers"  # the response goes on untouched
+    assert router.unreachable_reports == ([EndpointAddress("127.0.0.1:8000")] if reported else [])
+    assert metrics.registry.get_sample_value("extproc_upstream_connect_failures_total") == float(reported)
+
+
+def test_response_headers_without_attributes_report_nothing() -> None:
+    """Configs that do not ask for the attributes (older ones) work as before."""
+    router = _RankedRouter(None)
+    s = RequestStream(router, Metrics(), max_body_bytes=1 << 20, budget=BodyBudget(1 << 30))
+    s.handle(headers())
+    s.handle(body(chat("llama-3-8b")))
+    s.handle(_response_headers())
+    assert router.unreachable_reports == []
 
 
 @pytest.mark.parametrize("enabled", [True, False], ids=["opted-in", "default"])
