@@ -360,9 +360,16 @@ def report(results: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "With override_host, Envoy retries a refused connection on another engine, so a try at the "
-        "dead engine costs the client a retry, not an error. ORIGINAL_DST has one address per "
-        "request: each try there is a failed request.",
+        "How `serve` learns: Envoy's response attributes on the routing filter (`upstream.address`, "
+        "`response.code_details`, `upstream.request_attempt_count`). Behind ORIGINAL_DST a refused "
+        "connection ends in Envoy's own 503, which marks the engine unreachable at once (each try "
+        "there is a failed request; the few that fail were sent before the first report came back). "
+        "Behind override_host the retry succeeds elsewhere, so the client sees nothing; the retry "
+        "away from the pick makes `serve` avoid the engine until its next scrape, which confirms it "
+        'gone ("marked unreachable": its blocks leave the index then) or clears it. Requests in '
+        "flight at the kill are cut either way. After the restart the engine is eligible at its "
+        "first good scrape; whether it is picked soon depends on the policy, since the "
+        "conversations it held now have their prefixes cached elsewhere.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -81,11 +81,12 @@ class Metrics:
             "Request-body bytes held by streams waiting for their last chunk (see --max-buffered-bytes).",
             registry=self.registry,
         )
-        self.upstream_connect_failures = Counter(
-            "extproc_upstream_connect_failures_total",
-            "Routed requests Envoy could not connect to the endpoint for (read from the response "
-            "attributes upstream.address and response.code_details; the endpoint is routed around "
-            "until its metrics answer again).",
+        self.upstream_failures = Counter(
+            "extproc_upstream_failures_total",
+            "Routed requests whose pick failed, as Envoy's response attributes tell: connect_failed "
+            "(Envoy could not connect to it) or retried_away (Envoy retried on another endpoint). "
+            "Either way the endpoint is routed around until its metrics answer again.",
+            ["kind"],
             registry=self.registry,
         )
         self.model_rewrites = Counter(

@@ -73,6 +73,8 @@ class _State:
     failures: int = 0
     #: The latest scrape found nothing listening (refused, reset): the engine is probably gone.
     unreachable: bool = False
+    #: The gateway gave up on it and retried elsewhere, cause unknown: avoided until the next scrape.
+    suspect: bool = False
 
 
 def metrics_urls(catalog: Catalog) -> dict[EndpointAddress, str]:
@@ -139,7 +141,7 @@ class EngineScraper(EndpointPoller):
         or reset connection is evidence enough to stop sending traffic there.
         """
         state = self._states.get(address)
-        return state is None or not state.unreachable
+        return state is None or not (state.unreachable or state.suspect)
 
     def snapshot(self) -> Mapping[EndpointAddress, EndpointSignals]:
         """Every endpoint of the current catalog, with staleness judged now."""
@@ -170,6 +172,7 @@ class EngineScraper(EndpointPoller):
                 "ageSeconds": None if entry.age is None else round(entry.age, 3),
                 "error": entry.error,
                 "unreachable": state.unreachable,
+                "suspect": state.suspect,
                 "scrapes": state.scrapes,
                 "failures": state.failures,
                 "signals": None if entry.signals is None else entry.signals.to_debug(),
@@ -219,6 +222,7 @@ class EngineScraper(EndpointPoller):
         if state is None or state.url != url:
             return  # the endpoint left (or moved) while we were asking it
         state.scrapes += 1
+        state.suspect = False  # whatever the gateway saw, this scrape is the newer word
         if error is None:
             if state.error is not None:
                 log.info("engine metrics recovered endpoint=%s", address)
@@ -240,6 +244,16 @@ class EngineScraper(EndpointPoller):
         state = self._states.get(address)
         if state is not None:
             self._mark_unreachable(address, state, "the gateway could not connect to it")
+
+    def retried_away(self, address: EndpointAddress) -> None:
+        """The gateway retried a request away from ``address`` (refused stream, reset, or a failed
+        connection it did not report): avoided until the next scrape says whether it is gone."""
+        state = self._states.get(address)
+        if state is not None and not state.suspect:
+            state.suspect = True
+            log.info(
+                "engine avoided until its next scrape (the gateway retried away from it) endpoint=%s", address
+            )
 
     def _mark_unreachable(self, address: EndpointAddress, state: _State, why: str) -> None:
         if state.unreachable:

@@ -76,6 +76,7 @@ class Scheduler:
         signals: Callable[[EndpointAddress], EngineSignals | None] | None = None,
         reachable: Callable[[EndpointAddress], bool] | None = None,
         on_unreachable: Callable[[EndpointAddress], None] | None = None,
+        on_retried_away: Callable[[EndpointAddress], None] | None = None,
     ) -> None:
         self._catalog = catalog
         self._inflight = inflight
@@ -86,6 +87,7 @@ class Scheduler:
         self._signals = signals or (lambda _address: None)
         self._reachable = reachable or (lambda _address: True)
         self._on_unreachable = on_unreachable or (lambda _address: None)
+        self._on_retried_away = on_retried_away or (lambda _address: None)
         #: The catalog last looked at by :meth:`lease_for`, and its endpoint addresses.
         self._addresses_of: tuple[Catalog | None, frozenset[str]] = (None, frozenset())
         #: Routed requests' leases on their way to their accounting streams.
@@ -173,6 +175,10 @@ class Scheduler:
     def unreachable(self, address: EndpointAddress) -> None:
         """The gateway could not connect to ``address``; whoever judges reachability hears of it."""
         self._on_unreachable(address)
+
+    def retried_away(self, address: EndpointAddress) -> None:
+        """The gateway retried a request we sent to ``address`` on another endpoint."""
+        self._on_retried_away(address)
 
     def lease_for(
         self, destination: str, *, token: str = "", prefill_tokens: int = 0, prefill_seconds: float = 0.0

@@ -72,6 +72,7 @@ class Server:
             reachable=self.scraper.reachable if settings.scrape_interval > 0 else None,
             # Without scrapes nothing would notice the endpoint come back: it is not routed around.
             on_unreachable=self.scraper.connection_failed if settings.scrape_interval > 0 else None,
+            on_retried_away=self.scraper.retried_away if settings.scrape_interval > 0 else None,
         )
         self.budget = BodyBudget(settings.max_buffered_bytes)
         self.metrics.registry.register(CatalogCollector(lambda: self.store.current, self.inflight.snapshot))

@@ -7,6 +7,7 @@ and the wire details are tested once.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from google.protobuf import struct_pb2
 
@@ -46,30 +47,45 @@ def request_id(headers: dict[str, str]) -> str:
 #: ``response_attributes`` the shipped configs ask for on the routing filter's response headers.
 UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"
 CODE_DETAILS_ATTRIBUTE = "response.code_details"
+ATTEMPTS_ATTRIBUTE = "upstream.request_attempt_count"
 #: Envoy's response code details when it could not open a connection to the upstream (refused,
 #: unreachable, or timed out connecting). A reset after connecting is not among them: the engine was
 #: there, and may have been killed or merely closed one connection.
 _CONNECT_FAILURES = ("remote_connection_failure", "{connection_failure", "connection_timeout")
 
 
-def unreachable_upstream(request: ep.ProcessingRequest) -> str | None:
-    """The ``ip:port`` Envoy could not connect to, if this response is Envoy's answer to that.
+@dataclass(frozen=True, slots=True)
+class UpstreamReport:
+    """What Envoy says about the upstream side of a response (its ``response_attributes``)."""
 
-    Read from the ``response_attributes`` Envoy attaches to the response headers (keyed by filter
-    name, whatever the filter is called). None when the attributes are not configured, the
-    upstream answered, or the failure was anything but a failed connection.
+    #: The ``ip:port`` of the last attempt.
+    address: str
+    #: Envoy answered itself because it could not connect to ``address``.
+    connect_failed: bool
+    #: Attempts made (1 without retries; 0 when not reported).
+    attempts: int
+
+
+def upstream_report(request: ep.ProcessingRequest) -> UpstreamReport | None:
+    """Envoy's report on the upstream, read from the response headers' attributes.
+
+    They are keyed by filter name, whatever the filter is called. None when they are not
+    configured (configs older than the shipped ones) or name no upstream.
     """
     for attributes in request.attributes.values():
         fields = attributes.fields
-        details = fields.get(CODE_DETAILS_ATTRIBUTE)
         address = fields.get(UPSTREAM_ADDRESS_ATTRIBUTE)
-        if details is None or address is None:
+        if address is None or not address.string_value:
             continue
-        text = details.string_value
-        if text.startswith("upstream_reset_before_response_started") and any(
-            failure in text for failure in _CONNECT_FAILURES
-        ):
-            return address.string_value or None
+        details = fields.get(CODE_DETAILS_ATTRIBUTE)
+        text = "" if details is None else details.string_value
+        attempts = fields.get(ATTEMPTS_ATTRIBUTE)
+        return UpstreamReport(
+            address=address.string_value,
+            connect_failed=text.startswith("upstream_reset_before_response_started")
+            and any(failure in text for failure in _CONNECT_FAILURES),
+            attempts=0 if attempts is None else int(attempts.number_value),
+        )
     return None
 
 

@@ -74,6 +74,9 @@ class Router(Protocol):
     def unreachable(self, address: EndpointAddress) -> None:
         """Envoy could not connect to ``address`` for a request we routed there."""
 
+    def retried_away(self, address: EndpointAddress) -> None:
+        """Envoy gave up on ``address`` for a request we routed there and retried elsewhere."""
+
 
 class RequestStream:
     """State of one ext_proc stream."""
@@ -268,16 +271,21 @@ class RequestStream:
     # -- response path ------------------------------------------------------------------------
 
     def _check_upstream(self, request: ep.ProcessingRequest) -> None:
-        """Envoy's own 503 for a connection it could not open: the engine is likely gone.
+        """Learn from Envoy's report on the upstream that a pick may be gone, without a scrape.
 
-        Routed around at once, instead of at the next scrape: behind ORIGINAL_DST every request
-        sent there in the meantime fails (bench/results/dead_engine.md).
+        Behind ORIGINAL_DST a refused connection ends in Envoy's own 503, and every request sent
+        to a dead engine until the next scrape fails; behind override_host retries hide the
+        failures but each costs a retry (bench/results/dead_engine.md).
         """
-        address = messages.unreachable_upstream(request)
-        if address is None:
+        report = messages.upstream_report(request)
+        if report is None:
             return
-        self._metrics.upstream_connect_failures.inc()
-        self._router.unreachable(EndpointAddress(address))
+        if report.connect_failed:
+            self._metrics.upstream_failures.labels("connect_failed").inc()
+            self._router.unreachable(EndpointAddress(report.address))
+        elif report.attempts > 1 and self.lease is not None and report.address != self.lease.address:
+            self._metrics.upstream_failures.labels("retried_away").inc()
+            self._router.retried_away(self.lease.address)
 
     def _on_response(self, kind: str | None) -> Responses:
         if kind == "response_headers" and self.lease is not None:

@@ -159,6 +159,31 @@ async def test_a_connection_the_gateway_could_not_open_marks_the_engine_until_a_
         await scraper_.close()
 
 
+async def test_an_engine_the_gateway_retried_away_from_is_avoided_until_its_next_scrape(
+    sim: StartSim,
+) -> None:
+    """A retry elsewhere says little about why: the engine is avoided, and a scrape decides.
+
+    Alive, it is back at once, with nothing forgotten; gone, it turns unreachable as usual."""
+    store, gone = CatalogStore(), []
+    scraper_ = EngineScraper(store, interval=INTERVAL, timeout=0.5, on_unreachable=gone.append)
+    alive, dead = await sim(), await sim()
+    publish(store, alive.address, dead.address)
+    await dead.stop()
+    for server in (alive, dead):
+        scraper_.retried_away(EndpointAddress(server.address))
+        assert not scraper_.reachable(EndpointAddress(server.address))
+    assert gone == []  # a suspicion forgets nothing
+    scraper_.start()
+    try:
+        await eventually(lambda: scraper_.rounds >= 1, what="a scrape round")
+        assert scraper_.reachable(EndpointAddress(alive.address))
+        assert not scraper_.reachable(EndpointAddress(dead.address))
+        assert gone == [EndpointAddress(dead.address)]
+    finally:
+        await scraper_.close()
+
+
 async def test_an_endpoint_removed_from_the_catalog_disappears(
     sim: StartSim, scraper: tuple[CatalogStore, EngineScraper]
 ) -> None:

@@ -122,7 +122,11 @@ def test_shipped_configs_keep_the_documented_contract(name: str) -> None:
     assert accounting["processing_mode"]["request_body_mode"] == "NONE"
     assert accounting["processing_mode"]["response_trailer_mode"] == "SEND"
     # Envoy tells the picker which endpoint it could not connect to (its own 503).
-    assert ext_proc["response_attributes"] == ["upstream.address", "response.code_details"]
+    assert ext_proc["response_attributes"] == [
+        "upstream.address",
+        "response.code_details",
+        "upstream.request_attempt_count",
+    ]
     assert ext_proc["metadata_options"] == {
         "receiving_namespaces": {"untyped": ["envoy.lb"]},
         "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]},

@@ -368,5 +368,7 @@ async def test_an_engine_refusing_connections_is_routed_around_at_once(sim_gatew
         await gw.post(COMPLETIONS, body)
     assert sum(delta(before, finished([e for e in gw.engines if e is not dead])).values()) == 3
     assert sources(gw.server)[f"{holder}/dp0"]["gpuBlocks"] == 0  # its cache no longer attracts
-    failures = gw.server.metrics.registry.get_sample_value("extproc_upstream_connect_failures_total")
+    failures = gw.server.metrics.registry.get_sample_value(
+        "extproc_upstream_failures_total", {"kind": "connect_failed"}
+    )
     assert failures == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import orjson
 import pytest
@@ -355,6 +356,7 @@ class _RankedRouter:
         self.rank = rank
         self._offered: Lease | None = None
         self.unreachable_reports: list[EndpointAddress] = []
+        self.retried_away_reports: list[EndpointAddress] = []
 
     def schedule(self, request: InferenceRequest | None, subset: frozenset[str] | None = None) -> Decision:
         route = _catalog().resolve("llama-3-8b")
@@ -378,6 +380,9 @@ class _RankedRouter:
 
     def unreachable(self, address: EndpointAddress) -> None:
         self.unreachable_reports.append(address)
+
+    def retried_away(self, address: EndpointAddress) -> None:
+        self.retried_away_reports.append(address)
 
     def lease_for(
         self, destination: str, *, token: str = "", prefill_tokens: int = 0, prefill_seconds: float = 0.0
@@ -407,12 +412,17 @@ def _response_headers() -> ep.ProcessingRequest:
 
 
 def _envoy_answer(
-    address: str, details: str, *, filter_name: str = "envoy.filters.http.ext_proc"
+    address: str, details: str, attempts: int = 1, *, filter_name: str = "envoy.filters.http.ext_proc"
 ) -> ep.ProcessingRequest:
     """Response headers with the ``response_attributes`` the shipped configs ask for."""
     request = _response_headers()
-    attributes = request.attributes[filter_name]
-    attributes.update({"upstream.address": address, "response.code_details": details})
+    request.attributes[filter_name].update(
+        {
+            "upstream.address": address,
+            "response.code_details": details,
+            "upstream.request_attempt_count": attempts,
+        }
+    )
     return request
 
 
@@ -421,30 +431,48 @@ REFUSED = (
     "upstream_reset_before_response_started"
     "{remote_connection_failure|delayed_connect_error:_Connection_refused}"
 )
+PICK, OTHER = "127.0.0.1:8000", "127.0.0.2:8000"
 
 
 @pytest.mark.parametrize(
-    ("details", "reported"),
+    ("answer", "unreachable", "retried_away"),
     [
-        (REFUSED, True),
-        ("upstream_reset_before_response_started{connection_failure}", True),
-        ("upstream_reset_before_response_started{connection_timeout}", True),
-        ("via_upstream", False),  # the engine answered (whatever its status)
-        ("upstream_reset_before_response_started{connection_termination}", False),  # it was there
-        ("upstream_response_timeout", False),
+        ((PICK, REFUSED), [PICK], []),
+        ((PICK, "upstream_reset_before_response_started{connection_failure}"), [PICK], []),
+        ((PICK, "upstream_reset_before_response_started{connection_timeout}"), [PICK], []),
+        ((PICK, "via_upstream"), [], []),  # the engine answered (whatever its status)
+        ((PICK, "upstream_reset_before_response_started{connection_termination}"), [], []),  # it was there
+        ((PICK, "upstream_response_timeout"), [], []),
+        ((OTHER, "via_upstream", 2), [], [PICK]),  # override_host: the retry went elsewhere
+        ((PICK, "via_upstream", 2), [], []),  # a retry on the pick itself succeeded: it is there
+    ],
+    ids=[
+        "refused",
+        "connection-failure",
+        "connect-timeout",
+        "answered",
+        "reset",
+        "timeout",
+        "retried",
+        "retried-same",
     ],
 )
-def test_envoys_failed_connections_are_reported_to_the_router(details: str, reported: bool) -> None:
-    """Envoy's own 503 for a connection it could not open tells the router that endpoint is gone."""
+def test_envoys_report_on_the_pick_reaches_the_router(
+    answer: tuple[Any, ...], unreachable: list[str], retried_away: list[str]
+) -> None:
+    """Envoy's own 503 for a connection it could not open, or a retry away from the pick, tells the
+    router that endpoint may be gone; the response itself goes on untouched."""
     router = _RankedRouter(None)
     metrics = Metrics()
     s = RequestStream(router, metrics, max_body_bytes=1 << 20, budget=BodyBudget(1 << 30))
     s.handle(headers())
     s.handle(body(chat("llama-3-8b")))
-    [answer] = s.handle(_envoy_answer("127.0.0.1:8000", details, filter_name="my-picker"))
-    assert answer.WhichOneof("response") == "response_headers"  # the response goes on untouched
-    assert router.unreachable_reports == ([EndpointAddress("127.0.0.1:8000")] if reported else [])
-    assert metrics.registry.get_sample_value("extproc_upstream_connect_failures_total") == float(reported)
+    [reply] = s.handle(_envoy_answer(*answer, filter_name="my-picker"))
+    assert reply.WhichOneof("response") == "response_headers"
+    assert (router.unreachable_reports, router.retried_away_reports) == (unreachable, retried_away)
+    for kind, reports in (("connect_failed", unreachable), ("retried_away", retried_away)):
+        count = metrics.registry.get_sample_value("extproc_upstream_failures_total", {"kind": kind})
+        assert count == (len(reports) or None)
 
 
 def test_response_headers_without_attributes_report_nothing() -> None:
@@ -454,7 +482,7 @@ def test_response_headers_without_attributes_report_nothing() -> None:
     s.handle(headers())
     s.handle(body(chat("llama-3-8b")))
     s.handle(_response_headers())
-    assert router.unreachable_reports == []
+    assert router.unreachable_reports == router.retried_away_reports == []
 
 
 @pytest.mark.parametrize("enabled", [True, False], ids=["opted-in", "default"])
