@@ -22,6 +22,9 @@ from extproc.telemetry import Metrics
 _GRPC_OVERHEAD = 64 * 1024
 #: The per-connection buffer limit of the shipped Envoy configs: the largest body chunk they send.
 _ENVOY_CHUNK_MAX = 32 * 1024 * 1024
+#: New calls that may wait for the event loop to take them (gRPC core's default: 1,000 soft, 3,000
+#: hard). As many as one Envoy connection may open streams (``grpc.max_concurrent_streams``).
+_MAX_PENDING_CALLS = 10_000
 
 
 class ExtProcListener:
@@ -55,6 +58,12 @@ class ExtProcListener:
                 ("grpc.max_concurrent_streams", 10_000),
                 # A second serve on the same port must fail, not silently share the traffic.
                 ("grpc.so_reuseport", 0),
+                # gRPC core cancels calls the application has not picked up yet once more than
+                # 1,000 wait (all of them past 3,000): a burst of 3,000 new streams lost 465 that
+                # way, reset with no trace in our logs (bench/results/burst.md). A waiting call
+                # costs a few KB; Envoy's own limits bound how many arrive.
+                ("grpc.server.max_pending_requests", _MAX_PENDING_CALLS),
+                ("grpc.server.max_pending_requests_hard_limit", _MAX_PENDING_CALLS),
             ]
         )
         ep_grpc.add_ExternalProcessorServicer_to_server(

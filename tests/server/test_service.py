@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -59,3 +60,25 @@ async def test_undecodable_messages_get_invalid_argument_without_tracebacks(
         [answer] = await _send(channel, request.SerializeToString())
     assert ep.ProcessingResponse.FromString(answer).immediate_response.status.code == 200
     assert server.metrics.requests.labels("malformed_message")._value.get() == 5
+
+
+def _models_request() -> bytes:
+    request = ep.ProcessingRequest()
+    for key, value in ((":path", b"/v1/models"), (":method", b"GET")):
+        header = request.request_headers.headers.headers.add()
+        header.key, header.raw_value = key, value
+    request.request_headers.end_of_stream = True
+    return request.SerializeToString()
+
+
+async def test_a_burst_of_new_streams_is_served_in_full(server: Server) -> None:
+    """3,000 streams opened at once on one connection (a traffic spike through one Envoy worker)
+    are all answered: none is cancelled while it waits for the server to take it."""
+    payload = _models_request()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        answers = await asyncio.gather(
+            *(_send(channel, payload) for _ in range(3000)), return_exceptions=True
+        )
+    failures = [a for a in answers if isinstance(a, BaseException)]
+    assert not failures, f"{len(failures)} of 3000 failed, e.g. {failures[0]!r}"
+    assert all(ep.ProcessingResponse.FromString(a[0]).immediate_response.status.code == 200 for a in answers)
