@@ -26,135 +26,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from machine import machine
+from stack import MODEL, ServeProcess, SimEngine, engines_started, gateway, write_catalog
 
-from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
-from extproc.gateway.config import load_config, render_config, shipped_config
 from extproc.gateway.process import EnvoyProcess
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-from ports import free_port  # noqa: E402
-
-MODEL = "llama-3-8b"
 ENGINES = 4
 CLIENTS = 12
 WARMUP_S = 6.0
 DOWN_S = 6.0
 BACK_S = 6.0
 POLL_S = 0.05
-#: Serve's and Envoy's own logs go here (the harness's stderr stays readable).
-QUIET = {"stdout": asyncio.subprocess.DEVNULL, "stderr": asyncio.subprocess.DEVNULL}
-
-
-# -- processes ------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Engine:
-    """One ``extproc sim`` process on fixed ports, so a restart comes back at the same address."""
-
-    port: int = field(default_factory=free_port)
-    kv_port: int = field(default_factory=free_port)
-    replay_port: int = field(default_factory=free_port)
-    proc: asyncio.subprocess.Process | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    async def start(self) -> None:
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "extproc", "--log-level", "warning", "sim",
-            "--listen", self.address, "--model", MODEL,
-            "--kv-events-port", str(self.kv_port), "--kv-replay-port", str(self.replay_port),
-            "--default-output-tokens", "16", **QUIET,
-        )  # fmt: skip
-        await _wait_http(f"http://{self.address}/health")
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-
-    async def stop(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.kill()
-        if self.proc is not None:
-            await self.proc.wait()
-
-
-@dataclass(slots=True)
-class Serve:
-    catalog: Path
-    grpc_port: int = field(default_factory=free_port)
-    admin_port: int = field(default_factory=free_port)
-    proc: asyncio.subprocess.Process | None = None
-
-    async def start(self) -> None:
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "extproc", "--log-level", "warning", "serve",
-            "--source", f"file:{self.catalog}", "--listen", f"127.0.0.1:{self.grpc_port}",
-            "--admin-listen", f"127.0.0.1:{self.admin_port}",
-            "--tokenizer", f"{MODEL}=extproc:tiny", **QUIET,
-        )  # fmt: skip
-        await _wait_http(f"http://127.0.0.1:{self.admin_port}/readyz")
-
-    async def stop(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.terminate()
-            try:
-                await asyncio.wait_for(self.proc.wait(), 10)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
-
-
-async def _wait_http(url: str, within: float = 30.0) -> None:
-    deadline = time.monotonic() + within
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
-        while time.monotonic() < deadline:
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with session.get(url) as resp:
-                    if resp.status == 200:
-                        return
-            await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer 200 within {within} s")
-
-
-@contextlib.asynccontextmanager
-async def engines_started() -> AsyncIterator[list[Engine]]:
-    engines = [Engine() for _ in range(ENGINES)]
-    try:
-        await asyncio.gather(*(e.start() for e in engines))
-        yield engines
-    finally:
-        await asyncio.gather(*(e.stop() for e in engines))
-
-
-def gateway(config_name: str, serve: Serve, engines: list[Engine]) -> tuple[dict[str, Any], int, int]:
-    listen, admin = free_port(), free_port()
-    original_dst = "original-dst" in config_name
-    config = render_config(
-        load_config(shipped_config(config_name)),
-        listen_port=listen,
-        admin_port=admin,
-        extproc_address=("127.0.0.1", serve.grpc_port),
-        pool_endpoints=None if original_dst else [("127.0.0.1", e.port) for e in engines],
-        body_mode="FULL_DUPLEX_STREAMED",
-    )
-    return config, listen, admin
 
 
 # -- load -----------------------------------------------------------------------------------------
@@ -215,7 +107,7 @@ class View:
     sources: list[tuple[bool, bool, str | None]]
 
 
-async def serve_view(session: aiohttp.ClientSession, serve: Serve, address: str) -> View:
+async def serve_view(session: aiohttp.ClientSession, serve: ServeProcess, address: str) -> View:
     async with session.get(f"http://127.0.0.1:{serve.admin_port}/debug/state") as resp:
         state = await resp.json()
     sources = [s for name, s in state["prefix"]["sources"].items() if address in name]
@@ -226,7 +118,7 @@ async def serve_view(session: aiohttp.ClientSession, serve: Serve, address: str)
     )
 
 
-async def served_by(session: aiohttp.ClientSession, engine: Engine) -> float:
+async def served_by(session: aiohttp.ClientSession, engine: SimEngine) -> float:
     """Requests ``engine`` finished since it started (its own ``vllm:request_success`` counter)."""
     try:
         async with session.get(f"http://{engine.address}/metrics") as resp:
@@ -245,21 +137,8 @@ def first(times: list[tuple[float, bool]], since: float) -> float | None:
 
 
 async def run(config_name: str, workdir: Path) -> dict[str, Any]:
-    async with engines_started() as engines:
-        catalog = workdir / "catalog.yaml"
-        catalog.write_text(
-            catalog_yaml(
-                [
-                    LocalWorkerSet(
-                        "llama",
-                        MODEL,
-                        [e.address for e in engines],
-                        kv_ports={e.address: (e.kv_port, e.replay_port) for e in engines},
-                    )
-                ]
-            )
-        )
-        serve = Serve(catalog)
+    async with engines_started(ENGINES) as engines:
+        serve = ServeProcess(write_catalog(workdir / "catalog.yaml", engines))
         await serve.start()
         config, listen, admin = gateway(config_name, serve, engines)
         outcomes: list[Outcome] = []

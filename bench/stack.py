@@ -1,0 +1,157 @@
+"""Child processes for the end-to-end benchmarks: simulated engines, `serve`, and a gateway config.
+
+Each is a real process on loopback ports chosen up front, so a restarted engine comes back at the
+same address. Their logs go nowhere unless asked (the harness's own output stays readable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+
+from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
+from extproc.gateway.config import load_config, render_config, shipped_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from ports import free_port
+
+MODEL = "llama-3-8b"
+
+
+@dataclass(slots=True)
+class SimEngine:
+    """One ``extproc sim`` process (KV events with replay) serving :data:`MODEL`."""
+
+    extra_args: Sequence[str] = ("--default-output-tokens", "16")
+    port: int = field(default_factory=free_port)
+    kv_port: int = field(default_factory=free_port)
+    replay_port: int = field(default_factory=free_port)
+    proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "extproc", "--log-level", "warning", "sim",
+            "--listen", self.address, "--model", MODEL,
+            "--kv-events-port", str(self.kv_port), "--kv-replay-port", str(self.replay_port),
+            *self.extra_args,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        await wait_http(f"http://{self.address}/health")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+        if self.proc is not None:
+            await self.proc.wait()
+
+
+@dataclass(slots=True)
+class ServeProcess:
+    """``extproc serve`` on the catalog file, routing precisely (the simulator's tokenizer)."""
+
+    catalog: Path
+    extra_args: Sequence[str] = ()
+    log: IO[bytes] | None = None
+    grpc_port: int = field(default_factory=free_port)
+    admin_port: int = field(default_factory=free_port)
+    proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "extproc", "--log-level", "warning", "serve",
+            "--source", f"file:{self.catalog}", "--listen", f"127.0.0.1:{self.grpc_port}",
+            "--admin-listen", f"127.0.0.1:{self.admin_port}",
+            "--tokenizer", f"{MODEL}=extproc:tiny", *self.extra_args,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=self.log if self.log is not None else asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        await wait_http(f"{self.admin_url}/readyz")
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 10)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+
+
+async def wait_http(url: str, within: float = 30.0) -> None:
+    """Until ``url`` answers 200; RuntimeError after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with session.get(url) as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer 200 within {within} s")
+
+
+@contextlib.asynccontextmanager
+async def engines_started(
+    count: int, extra_args: Sequence[str] | None = None
+) -> AsyncIterator[list[SimEngine]]:
+    engines = [SimEngine() if extra_args is None else SimEngine(extra_args) for _ in range(count)]
+    try:
+        await asyncio.gather(*(e.start() for e in engines))
+        yield engines
+    finally:
+        await asyncio.gather(*(e.stop() for e in engines))
+
+
+def write_catalog(path: Path, engines: Sequence[SimEngine]) -> Path:
+    """One worker set of :data:`MODEL` over ``engines``, declaring their KV-event ports."""
+    path.write_text(
+        catalog_yaml(
+            [
+                LocalWorkerSet(
+                    "llama",
+                    MODEL,
+                    [e.address for e in engines],
+                    kv_ports={e.address: (e.kv_port, e.replay_port) for e in engines},
+                )
+            ]
+        )
+    )
+    return path
+
+
+def gateway(
+    config_name: str, serve: ServeProcess, engines: Sequence[SimEngine]
+) -> tuple[dict[str, Any], int, int]:
+    """A shipped Envoy config for these processes: (config, listen port, admin port)."""
+    listen, admin = free_port(), free_port()
+    original_dst = "original-dst" in config_name
+    config = render_config(
+        load_config(shipped_config(config_name)),
+        listen_port=listen,
+        admin_port=admin,
+        extproc_address=("127.0.0.1", serve.grpc_port),
+        pool_endpoints=None if original_dst else [("127.0.0.1", e.port) for e in engines],
+        body_mode="FULL_DUPLEX_STREAMED",
+    )
+    return config, listen, admin
