@@ -1,0 +1,303 @@
+"""A soak: `serve` behind real Envoy for an hour at ~100 requests/s, checked for errors and leaks.
+
+Four simulated engines (KV events, precise prefix routing), `serve` and Envoy (the shipped
+``gateway.yaml``) run as child processes; this process is the client. It sends requests on a fixed
+schedule (open loop, ``--rate`` per second): half short chats, half ~4k-token prompts drawn from a
+few long documents (so prefixes repeat, as in RAG), half of them streaming; 10% of the clients
+walk away mid-answer (a streaming one after its first chunk, a plain one after a few ms).
+
+Every ``--sample`` seconds it records `serve`'s RSS (from /proc), its in-flight count (its
+/metrics), and the client's own lag (how late each request left against its schedule). At the end
+it stops sending, lets the last answers finish, and reads the in-flight count once more.
+
+Pass: 0 errors (any status but 200, or a failed connection, on a request the client did not
+abandon), RSS growth after the warm-up within 5 MB/h (least-squares slope over the samples), and
+in-flight back to 0. The run is *invalid* (the machine could not keep up, so it proves nothing) when
+the achieved rate falls under 95% of the target or the client's p99 lag exceeds 100 ms.
+
+Writes ``bench/results/soak.{json,md}`` (``--out`` to write elsewhere).
+
+    python bench/soak.py                  # one hour
+    python bench/soak.py --duration 120   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from machine import machine, machine_busy_seconds
+from stack import MODEL, ServeProcess, engines_started, gateway, write_catalog
+
+from extproc.gateway.process import EnvoyProcess
+
+HERE = Path(__file__).resolve().parent
+ENGINES = 4
+#: Each engine's KV cache (blocks of 16 tokens; the simulator's default is 24,000). Small enough that
+#: the caches fill, and evict, within the warm-up: the soak then measures the steady state, where
+#: every block stored is matched by one removed, and memory that follows the index must stay flat.
+ENGINE_ARGS = ("--default-output-tokens", "16", "--num-gpu-blocks-override", "4000")
+ABANDON_SHARE = 0.10
+LONG_SHARE = 0.5
+STREAM_SHARE = 0.5
+#: ~4k tokens of the simulator's tokenizer (about 4 characters a token).
+LONG_CHARS = 16_000
+DOCUMENTS = 8
+#: Lag and rate limits past which the run proves nothing.
+MAX_P99_LAG_S = 0.1
+MIN_RATE_SHARE = 0.95
+MAX_RSS_SLOPE_MB_PER_H = 5.0
+
+
+@dataclass(slots=True)
+class Tally:
+    sent: int = 0
+    ok: int = 0
+    abandoned: int = 0
+    errors: int = 0
+    #: The first few errors, as "status: text", for the report.
+    examples: list[str] = field(default_factory=list)
+    lags: list[float] = field(default_factory=list)
+
+    def error(self, what: str) -> None:
+        self.errors += 1
+        if len(self.examples) < 5:
+            self.examples.append(what[:200])
+
+
+def documents(seed: int) -> list[str]:
+    rng = random.Random(seed)
+    words = ("cache", "token", "engine", "router", "block", "prefix", "queue", "model", "gateway", "batch")
+    return [
+        f"Document {d}. "
+        + " ".join(rng.choice(words) + str(rng.randrange(100)) for _ in range(LONG_CHARS // 8))
+        for d in range(DOCUMENTS)
+    ]
+
+
+def request_body(rng: random.Random, docs: list[str], number: int) -> dict[str, Any]:
+    question = f"Question {number}: what does item {rng.randrange(10_000)} say?"
+    if rng.random() < LONG_SHARE:
+        messages = [
+            {"role": "system", "content": rng.choice(docs)},
+            {"role": "user", "content": question},
+        ]
+    else:
+        messages = [{"role": "user", "content": question}]
+    return {"model": MODEL, "messages": messages, "max_tokens": 16, "stream": rng.random() < STREAM_SHARE}
+
+
+async def one_request(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], abandon: bool, tally: Tally
+) -> None:
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                tally.error(f"{resp.status}: {(await resp.text())[:150]}")
+                return
+            if abandon:
+                if body["stream"]:
+                    await resp.content.readline()  # the first chunk, then walk away
+                else:
+                    await asyncio.sleep(0.005)
+                resp.close()
+                tally.abandoned += 1
+                return
+            payload = await resp.read()
+            if body["stream"] and b"[DONE]" not in payload:
+                tally.error("200: stream ended without [DONE]")
+                return
+            tally.ok += 1
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        tally.error(f"{type(exc).__name__}: {exc}")
+
+
+async def load(url: str, rate: float, duration: float, tally: Tally, seed: int) -> float:
+    """Send on a fixed schedule for ``duration`` seconds; returns when the last answer is in."""
+    rng = random.Random(seed)
+    docs = documents(seed)
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[None]] = set()
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        start = loop.time()
+        number = 0
+        while (due := start + number / rate) < start + duration:
+            delay = due - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tally.lags.append(max(0.0, loop.time() - due))
+            body = request_body(rng, docs, number)
+            task = loop.create_task(one_request(session, url, body, rng.random() < ABANDON_SHARE, tally))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            tally.sent += 1
+            number += 1
+        sent_for = loop.time() - start
+        await asyncio.gather(*tasks)
+    return sent_for
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+async def in_flight(session: aiohttp.ClientSession, serve: ServeProcess) -> float:
+    async with session.get(f"{serve.admin_url}/metrics") as resp:
+        text = await resp.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("extproc_inflight_requests{")
+    )
+
+
+def slope_per_hour(samples: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of (seconds, MB) in MB per hour."""
+    if len(samples) < 3:
+        return None
+    xs, ys = [s for s, _ in samples], [mb for _, mb in samples]
+    return statistics.linear_regression(xs, ys).slope * 3600
+
+
+async def soak(rate: float, duration: float, sample: float, warmup: float, seed: int) -> dict[str, Any]:
+    tally = Tally()
+    samples: list[dict[str, float]] = []
+    with tempfile.TemporaryDirectory(prefix="extproc-soak-") as tmp:
+        async with engines_started(ENGINES, ENGINE_ARGS) as engines:
+            serve = ServeProcess(write_catalog(Path(tmp) / "catalog.yaml", engines))
+            await serve.start()
+            try:
+                config, listen, _ = gateway("gateway.yaml", serve, engines)
+                async with EnvoyProcess(config) as _, aiohttp.ClientSession() as probe:
+                    assert serve.proc is not None
+                    pid = serve.proc.pid
+                    url = f"http://127.0.0.1:{listen}/v1/chat/completions"
+                    busy0, wall0 = machine_busy_seconds(), time.monotonic()
+                    sender = asyncio.create_task(load(url, rate, duration, tally, seed))
+                    while not sender.done():
+                        samples.append(
+                            {
+                                "at_s": round(time.monotonic() - wall0, 1),
+                                "rss_mb": round(rss_mb(pid), 2),
+                                "in_flight": await in_flight(probe, serve),
+                                "sent": tally.sent,
+                                "errors": tally.errors,
+                            }
+                        )
+                        print(json.dumps(samples[-1]), file=sys.stderr)
+                        await asyncio.wait([sender], timeout=sample)
+                    sent_for = await sender
+                    busy = (machine_busy_seconds() - busy0) / (time.monotonic() - wall0)
+                    await asyncio.sleep(1.0)  # the accounting streams' last closes
+                    final_in_flight = await in_flight(probe, serve)
+                    final_rss = rss_mb(pid)
+            finally:
+                await serve.stop()
+    after_warmup = [(s["at_s"], s["rss_mb"]) for s in samples if s["at_s"] >= warmup]
+    lags = sorted(tally.lags)
+    p99_lag = lags[int(0.99 * (len(lags) - 1))] if lags else 0.0
+    achieved = tally.sent / sent_for if sent_for else 0.0
+    slope = slope_per_hour(after_warmup)
+    invalid = []
+    if achieved < MIN_RATE_SHARE * rate:
+        invalid.append(f"achieved {achieved:.1f} req/s of {rate:g}")
+    if p99_lag > MAX_P99_LAG_S:
+        invalid.append(f"client p99 lag {p99_lag * 1000:.0f} ms")
+    return {
+        "rate": rate,
+        "duration_s": duration,
+        "warmup_s": warmup,
+        "achieved_rate": round(achieved, 1),
+        "client_p99_lag_ms": round(p99_lag * 1000, 1),
+        "machine_busy_cores": round(busy, 2),
+        "tally": {k: v for k, v in asdict(tally).items() if k != "lags"},
+        "rss_start_mb": samples[0]["rss_mb"] if samples else None,
+        "rss_end_mb": round(final_rss, 2),
+        "rss_slope_mb_per_h_after_warmup": None if slope is None else round(slope, 2),
+        "in_flight_at_end": final_in_flight,
+        "invalid": invalid,
+        "passed": not invalid
+        and tally.errors == 0
+        and final_in_flight == 0
+        and slope is not None
+        and slope <= MAX_RSS_SLOPE_MB_PER_H,
+        "samples": samples,
+    }
+
+
+def report(results: dict[str, Any]) -> str:
+    m, r = results["machine"], results["soak"]
+    t = r["tally"]
+    verdict = (
+        "INVALID (" + "; ".join(r["invalid"]) + ")"
+        if r["invalid"]
+        else ("passed" if r["passed"] else "FAILED")
+    )
+    lines = [
+        "# Soak: `serve` behind Envoy under steady load",
+        "",
+        f"{m['date']}, commit {m['git_commit'][:12]}{' (dirty)' if m['git_dirty'] else ''}; "
+        f"{m['cpu_model']}, {m['cores']} cores; Python {m['python']}. {ENGINES} simulated engines, "
+        "`serve` (precise prefix routing), Envoy (`gateway.yaml`, FULL_DUPLEX_STREAMED) and the client "
+        "share the cores on loopback.",
+        "",
+        f"**{verdict}.** Targets (issue 14): 0 errors, RSS growth after warm-up within "
+        f"{MAX_RSS_SLOPE_MB_PER_H:g} MB/h, in-flight back to 0.",
+        "",
+        "| measure | value |",
+        "|---|--:|",
+        f"| duration (warm-up) | {r['duration_s']:g} s ({r['warmup_s']:g} s) |",
+        f"| target / achieved rate | {r['rate']:g} / {r['achieved_rate']} req/s |",
+        f"| client p99 lag against its schedule | {r['client_p99_lag_ms']} ms |",
+        f"| machine busy (of {m['cores']} cores) | {r['machine_busy_cores']} |",
+        f"| requests sent | {t['sent']:,} |",
+        f"| answered in full | {t['ok']:,} |",
+        f"| abandoned by the client on purpose | {t['abandoned']:,} |",
+        f"| errors | {t['errors']:,} |",
+        f"| serve RSS start -> end | {r['rss_start_mb']} -> {r['rss_end_mb']} MB |",
+        f"| RSS slope after warm-up | {r['rss_slope_mb_per_h_after_warmup']} MB/h |",
+        f"| in flight at the end | {r['in_flight_at_end']:g} |",
+        "",
+        "Mix: half short chats, half ~4k-token prompts over 8 long documents (repeating prefixes), half "
+        "streaming; 10% of requests abandoned by the client (after the first chunk, or after 5 ms). "
+        "Each engine caches 4,000 blocks, so the caches fill and evict within the warm-up.",
+    ]
+    if t["examples"]:
+        lines += ["", "First errors:", *[f"- `{e}`" for e in t["examples"]]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rate", type=float, default=100.0, help="requests per second (100)")
+    p.add_argument("--duration", type=float, default=3600.0, help="seconds of load (3600)")
+    p.add_argument("--sample", type=float, default=10.0, help="seconds between samples (10)")
+    p.add_argument("--warmup", type=float, default=None, help="seconds before RSS counts (a sixth)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", type=Path, default=HERE / "results" / "soak.json")
+    args = p.parse_args()
+    warmup = args.warmup if args.warmup is not None else args.duration / 6
+    result = asyncio.run(soak(args.rate, args.duration, args.sample, warmup, args.seed))
+    results = {"machine": machine(), "soak": result}
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(report(results))
+    print(report(results))
+    sys.exit(0 if result["passed"] else 1)
+
+
+if __name__ == "__main__":
+    main()
