@@ -108,6 +108,10 @@ class RequestStream:
         self._body = bytearray()
         self._done = False
         self.lease: Lease | None = None
+        #: The addresses our answer named (the pick and its fallbacks): the only ones a report on
+        #: this stream may mark, so whatever reaches the gRPC port cannot take others out of
+        #: rotation.
+        self._picked: frozenset[str] = frozenset()
 
     @property
     def request_id(self) -> str:
@@ -231,6 +235,7 @@ class RequestStream:
     ) -> ep.ProcessingResponse:
         """The answer carrying the destination, in the message kind the phase calls for."""
         self._done = True
+        self._picked = frozenset(e.address for e in decision.endpoints)
         tokens, seconds = decision.prefill
         self.lease = self._router.acquire(
             decision.endpoints[0].address, prefill_tokens=tokens, prefill_seconds=seconds
@@ -281,9 +286,13 @@ class RequestStream:
         if report is None:
             return
         if report.connect_failed:
+            if report.address not in self._picked:
+                return
             self._metrics.upstream_failures.labels("connect_failed").inc()
             self._router.unreachable(EndpointAddress(report.address))
         elif report.attempts > 1 and self.lease is not None and report.address != self.lease.address:
+            # override_host: the pick failed (refused stream, reset, or a connection) and a retry
+            # elsewhere (a fallback, or round robin's choice) answered.
             self._metrics.upstream_failures.labels("retried_away").inc()
             self._router.retried_away(self.lease.address)
 

@@ -445,6 +445,7 @@ PICK, OTHER = "127.0.0.1:8000", "127.0.0.2:8000"
         ((PICK, "upstream_response_timeout"), [], []),
         ((OTHER, "via_upstream", 2), [], [PICK]),  # override_host: the retry went elsewhere
         ((PICK, "via_upstream", 2), [], []),  # a retry on the pick itself succeeded: it is there
+        ((OTHER, REFUSED), [], []),  # not an address we named: not ours to take out of rotation
     ],
     ids=[
         "refused",
@@ -455,6 +456,7 @@ PICK, OTHER = "127.0.0.1:8000", "127.0.0.2:8000"
         "timeout",
         "retried",
         "retried-same",
+        "refused-elsewhere",
     ],
 )
 def test_envoys_report_on_the_pick_reaches_the_router(
