@@ -1,5 +1,10 @@
 """The router computes the very token ids the (simulated) engine computes, for every body shape.
 
+With the shipped tiny tokenizer (both shipped templates) and with the real Llama 3 and Qwen 3
+tokenizers and their own templates (``tests/real_tokenizers.py``). The Llama 3 files are those of
+the first Meta-Llama-3 release, whose post-processor adds no BOS to a completion: vLLM loading the
+same files does not either, so parity holds.
+
 Router side: :class:`~extproc.tokenize.registry.TokenizerRegistry` as ``serve`` loads it
 (``--tokenizer MODEL=extproc:tiny --chat-template MODEL=TEMPLATE``). Engine side: a
 :class:`~extproc.sim.server.SimServer` started with the same template, asked over HTTP through
@@ -12,6 +17,7 @@ the blocks the engine announces, so routing by cache silently stops working.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +40,7 @@ from integration.sim_gateway import (
     worker_set,
     write_catalog,
 )
+from real_tokenizers import real_tokenizer
 
 from extproc.openai import read_request
 from extproc.serve.app import Server
@@ -172,21 +179,33 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
 ]
 
 
-def registry(template: str) -> ModelTokenizer:
-    """What ``serve --tokenizer LLAMA=extproc:tiny --chat-template LLAMA=TEMPLATE`` loads."""
-    tokenizer = TokenizerRegistry.load([TokenizerSpec(LLAMA, SHIPPED_TOKENIZER, template)]).get(LLAMA)
+@functools.cache  # a real tokenizer takes about a second to load
+def registry(template: str | None, tokenizer_dir: Path | None = None) -> ModelTokenizer:
+    """What ``serve --tokenizer LLAMA=DIR --chat-template LLAMA=TEMPLATE`` loads (DIR None:
+    ``extproc:tiny``; TEMPLATE None: the tokenizer's own)."""
+    source = SHIPPED_TOKENIZER if tokenizer_dir is None else str(tokenizer_dir)
+    tokenizer = TokenizerRegistry.load([TokenizerSpec(LLAMA, source, template)]).get(LLAMA)
     assert tokenizer is not None
     return tokenizer
 
 
-@pytest.fixture(params=TEMPLATE_NAMES)
+#: (tokenizer, chat template): the shipped tiny tokenizer with each shipped template, and the real
+#: Llama 3 and Qwen 3 tokenizers (128k and 152k vocabularies) with their own templates.
+ENGINES = [*((None, name) for name in TEMPLATE_NAMES), ("llama3", None), ("qwen3", None)]
+
+
+@pytest.fixture(
+    params=ENGINES, ids=[f"{tok or 'tiny'}-{template or 'own-template'}" for tok, template in ENGINES]
+)
 async def engine(request: pytest.FixtureRequest) -> AsyncIterator[SimServer]:
-    """An engine with one of the shipped templates (no KV events needed here)."""
+    """An engine with that tokenizer and template (no KV events needed here)."""
+    tokenizer, template = request.param
     settings = SimSettings(
         listen="127.0.0.1:0",
         model=LLAMA,
         served_model_names=(LLAMA,),
-        chat_template=request.param,
+        tokenizer=None if tokenizer is None else real_tokenizer(tokenizer),
+        chat_template=template,
         time_scale=0.01,
     )
     async with SimServer(settings) as sim:
@@ -226,12 +245,10 @@ async def engine_prompt_tokens(
 async def test_router_ids_equal_the_engines(
     engine: SimServer, session: aiohttp.ClientSession, path: str, case: dict[str, Any]
 ) -> None:
-    template = engine.settings.chat_template
-    assert template is not None
     body = {"model": LLAMA, **case}
     prompt = read_request(path, body).read_prompt()
     assert prompt is not None
-    ours = registry(template).prompt_ids(prompt)
+    ours = registry(engine.settings.chat_template, engine.settings.tokenizer).prompt_ids(prompt)
     assert ours is not None and len(ours) > 0
     # vLLM's /tokenize takes both forms on one path: "messages" (chat) or "prompt" (completion).
     assert ours == await engine_tokenize(session, engine, body)
