@@ -130,6 +130,24 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         default=200_000,
         help="prompt chunks remembered for models routed without tokenizer or KV events (200000)",
     )
+    g.add_argument(
+        "--tokenize-threads",
+        type=int,
+        default=None,
+        help="threads tokenizing prompts off the event loop (default: one per core; 0: on the loop)",
+    )
+    g.add_argument(
+        "--tokenize-queue",
+        type=int,
+        default=256,
+        help="prompts tokenized or waiting at once; past it a request is routed without tokens (256)",
+    )
+    g.add_argument(
+        "--tokenize-budget-ms",
+        type=float,
+        default=250.0,
+        help="longest a request waits for its prompt's tokens before it is routed without them (250)",
+    )
 
 
 def _serve_settings(args: argparse.Namespace) -> ServeSettings:
@@ -168,6 +186,9 @@ def _prefix_settings(args: argparse.Namespace) -> PrefixSettings:
         index_max_blocks=args.kv_index_max_blocks,
         index_max_blocks_per_endpoint=args.kv_index_max_blocks_per_endpoint,
         approx_max_blocks=args.approx_prefix_max_blocks,
+        tokenize_threads=args.tokenize_threads,
+        tokenize_queue=args.tokenize_queue,
+        tokenize_budget=args.tokenize_budget_ms / 1000,
     )
 
 

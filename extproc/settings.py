@@ -147,15 +147,26 @@ class PrefixSettings:
     index_max_blocks_per_endpoint: int = 262_144
     #: Prompt chunks remembered for approximate affinity (models without tokenizer or KV events).
     approx_max_blocks: int = 200_000
+    #: Threads tokenizing prompts off the event loop (None: one per core; 0: inline, on the loop).
+    tokenize_threads: int | None = None
+    #: Prompts being tokenized or waiting at once; one more is routed without its tokens.
+    tokenize_queue: int = 256
+    #: Seconds a request waits for its prompt's tokens before it is routed without them.
+    tokenize_budget: float = 0.25
 
     def __post_init__(self) -> None:
         for flag, value in (
             ("--kv-index-max-blocks", self.index_max_blocks),
             ("--kv-index-max-blocks-per-endpoint", self.index_max_blocks_per_endpoint),
             ("--approx-prefix-max-blocks", self.approx_max_blocks),
+            ("--tokenize-queue", self.tokenize_queue),
         ):
             if value < 1:
                 raise ConfigError(f"{flag} must be at least 1, got {value}")
+        if self.tokenize_threads is not None and self.tokenize_threads < 0:
+            raise ConfigError(f"--tokenize-threads must be 0 (inline) or more, got {self.tokenize_threads}")
+        if not self.tokenize_budget > 0:
+            raise ConfigError(f"--tokenize-budget-ms must be positive, got {self.tokenize_budget * 1000:g}")
         models = [spec.model for spec in self.tokenizers]
         if len(set(models)) != len(models):
             raise ConfigError(f"--tokenizer: a model is given twice in {models}")

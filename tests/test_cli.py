@@ -22,8 +22,15 @@ DATA = Path(__file__).resolve().parent / "data" / "catalog.yaml"
         (["--source", "http://x"], 2, "--source: expected file:PATH"),
         (["--source", f"file:{DATA}", "--listen", "nonsense"], 2, "--listen: expected HOST:PORT"),
         (["--source", f"file:{DATA}", "--max-fallbacks", "-1"], 2, "--max-fallbacks must be 0 or more"),
+        (["--source", f"file:{DATA}", "--tokenize-threads", "-1"], 2, "--tokenize-threads must be 0"),
+        (
+            ["--source", f"file:{DATA}", "--tokenize-budget-ms", "0"],
+            2,
+            "--tokenize-budget-ms must be positive",
+        ),
+        (["--source", f"file:{DATA}", "--tokenize-queue", "0"], 2, "--tokenize-queue must be at least 1"),
     ],
-    ids=["missing-file", "bad-source", "bad-listen", "bad-fallbacks"],
+    ids=["missing-file", "bad-source", "bad-listen", "bad-fallbacks", "threads", "budget", "queue"],
 )
 async def test_serve_refuses_bad_setup_clearly(args: list[str], code: int, message: str) -> None:
     """Bad flags or an unreadable source exit non-zero with a message naming the problem."""

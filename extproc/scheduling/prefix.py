@@ -12,6 +12,10 @@ Producer, run once per request before picking (STYLE: producers, then pure score
 
 A tokenizer that cannot tokenize a body (a template error the engine may not share) is counted
 and the request falls back to approximate: routing never refuses what the engine might accept.
+
+With a :class:`~extproc.tokenize.pool.TokenizePool`, the prompt is tokenized before the decision,
+off the event loop (:meth:`PrefixScorer.prompt_tokens`), and handed to :meth:`PrefixScorer.match`
+as :class:`Tokenized`; without one, ``match`` tokenizes inline.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from extproc.kvindex.index import PrefixIndex
 from extproc.kvindex.keys import block_keys, namespace_seed
 from extproc.openai import InferenceRequest
 from extproc.telemetry import LogLimiter
-from extproc.tokenize.registry import TokenizerRegistry
+from extproc.tokenize.pool import TokenizePool
+from extproc.tokenize.registry import ModelTokenizer, TokenizerRegistry
 from extproc.types import EndpointAddress
 
 log = logging.getLogger(__name__)
@@ -58,6 +63,14 @@ class PrefixMatch:
 NO_MATCH = PrefixMatch("none")
 
 
+@dataclass(frozen=True, slots=True)
+class Tokenized:
+    """A prompt's ids computed before the decision, for ``model``; ``ids`` None: it fell back."""
+
+    model: str
+    ids: list[int] | None
+
+
 @dataclass(slots=True)
 class PrefixCounters:
     lookups: dict[str, int] = field(default_factory=lambda: {"precise": 0, "approximate": 0, "none": 0})
@@ -74,8 +87,11 @@ class PrefixScorer:
         tokenizers: TokenizerRegistry,
         approx: ApproxPrefixIndex,
         blocked: Callable[[], frozenset[str]] = frozenset,
+        pool: TokenizePool | None = None,
     ) -> None:
         self.index = index
+        #: Where prompts are tokenized off the event loop; None: inline, in :meth:`match`.
+        self.pool = pool
         self.tokenizers = tokenizers
         self.approx = approx
         #: Models whose tokenizer disagrees with their engines (tokenizer parity): routed approximately.
@@ -83,17 +99,49 @@ class PrefixScorer:
         self.counters = PrefixCounters()
         self._log_limiter: LogLimiter[str] = LogLimiter(time.monotonic)
 
+    def tokenizes_first(self, route: Route) -> bool:
+        """True when ``route``'s prompts should be tokenized off the loop before the decision."""
+        return (
+            self.pool is not None
+            and self._tokenizer(route.upstream_model) is not None
+            and any(e.kv_events_port is not None for e in route.endpoints)
+        )
+
+    async def prompt_tokens(self, route: Route, request: InferenceRequest) -> Tokenized:
+        """The prompt's ids, computed in the pool (see :mod:`extproc.tokenize.pool`)."""
+        model = route.upstream_model
+        tokenizer = self._tokenizer(model)
+        if tokenizer is None or self.pool is None:
+            return Tokenized(model, None)
+        try:
+            prompt = request.read_prompt()
+            if prompt is None:
+                return Tokenized(model, None)
+            return Tokenized(model, await self.pool.run(lambda: tokenizer.prompt_ids(prompt)))
+        except Exception as exc:
+            self._tokenize_failed(model, exc)
+            return Tokenized(model, None)
+
     def match(
-        self, catalog: Catalog, route: Route, request: InferenceRequest, candidates: Sequence[Endpoint]
+        self,
+        catalog: Catalog,
+        route: Route,
+        request: InferenceRequest,
+        candidates: Sequence[Endpoint],
+        tokenized: Tokenized | None = None,
     ) -> PrefixMatch:
-        """Cached tokens for every candidate (absent = 0)."""
+        """Cached tokens for every candidate (absent = 0); ``tokenized``: the ids computed already."""
         precise = [e for e in candidates if e.kv_events_port is not None]
         rest = [e for e in candidates if e.kv_events_port is None]
         mode: PrefixMode = "none"
         cached: dict[EndpointAddress, int] = {}
         ranks: dict[EndpointAddress, int] = {}
         lower: dict[EndpointAddress, int] = {}
-        tokens = self._tokens(route.upstream_model, request) if precise else None
+        tokens: list[int] | None = None
+        if precise and tokenized is not None and tokenized.model == route.upstream_model:
+            tokens = tokenized.ids
+        elif precise:
+            tokens = self._tokens(route.upstream_model, request)
         if tokens is not None:
             mode = "precise"
             self._match_precise(catalog, route.upstream_model, tokens, precise, cached, ranks, lower)
@@ -117,23 +165,29 @@ class PrefixScorer:
         if match.approx_keys:
             self.approx.record(match.approx_keys, endpoint)
 
-    def _tokens(self, model: str, request: InferenceRequest) -> list[int] | None:
+    def _tokenizer(self, model: str) -> ModelTokenizer | None:
         tokenizer = self.tokenizers.get(model)
-        if tokenizer is None or model in self.blocked():
+        return None if tokenizer is None or model in self.blocked() else tokenizer
+
+    def _tokens(self, model: str, request: InferenceRequest) -> list[int] | None:
+        tokenizer = self._tokenizer(model)
+        if tokenizer is None:
             return None
         try:
             prompt = request.read_prompt()
             return None if prompt is None else tokenizer.prompt_ids(prompt)
-        except BadRequest as exc:
-            self.counters.tokenize_errors += 1
-            log.debug("prompt not tokenized model=%s error=%s", model, exc.message)
         except Exception as exc:
+            self._tokenize_failed(model, exc)
+        return None
+
+    def _tokenize_failed(self, model: str, exc: Exception) -> None:
+        self.counters.tokenize_errors += 1
+        if isinstance(exc, BadRequest):
+            log.debug("prompt not tokenized model=%s error=%s", model, exc.message)
+        elif self._log_limiter.allow(model, type(exc).__name__):
             # A tokenizer or template failing on a body we did not foresee is our bug, but the
             # engine may still accept the request: route it approximately, never answer 500.
-            self.counters.tokenize_errors += 1
-            if self._log_limiter.allow(model, type(exc).__name__):
-                log.exception("tokenizing a prompt failed (routed approximately) model=%s", model)
-        return None
+            log.error("tokenizing a prompt failed (routed approximately) model=%s", model, exc_info=exc)
 
     def _match_precise(
         self,

@@ -30,7 +30,7 @@ from extproc.scheduling.handover import LeaseHandover
 from extproc.scheduling.inflight import InFlight, Lease
 from extproc.scheduling.least_in_flight import LeastInFlight
 from extproc.scheduling.policy import Candidate, Policy, RequestFacts
-from extproc.scheduling.prefix import NO_MATCH, PrefixMatch, PrefixScorer
+from extproc.scheduling.prefix import NO_MATCH, PrefixMatch, PrefixScorer, Tokenized
 from extproc.scheduling.signals import EngineSignals
 from extproc.telemetry import clip
 from extproc.types import EndpointAddress
@@ -93,7 +93,26 @@ class Scheduler:
         #: Routed requests' leases on their way to their accounting streams.
         self.handover = LeaseHandover()
 
-    def schedule(self, request: InferenceRequest | None, subset: frozenset[str] | None = None) -> Decision:
+    def tokenizes_first(self, request: InferenceRequest) -> bool:
+        """True when ``request``'s prompt is to be tokenized (:meth:`tokenize`) before :meth:`schedule`."""
+        if self._prefix is None or self._prefix.pool is None:
+            return False
+        route = self._catalog().resolve(request.model)
+        return route is not None and self._prefix.tokenizes_first(route)
+
+    async def tokenize(self, request: InferenceRequest) -> Tokenized | None:
+        """The prompt's ids, computed off the event loop, bounded in queue and time (may fall back)."""
+        route = self._catalog().resolve(request.model)
+        if route is None or self._prefix is None:
+            return None
+        return await self._prefix.prompt_tokens(route, request)
+
+    def schedule(
+        self,
+        request: InferenceRequest | None,
+        subset: frozenset[str] | None = None,
+        tokenized: Tokenized | None = None,
+    ) -> Decision:
         """Decide for ``request`` (None: a request without a body, for any endpoint of any worker set).
 
         ``subset`` is the gateway's subset hint. With a prefix scorer, each candidate's cached
@@ -116,7 +135,7 @@ class Scheduler:
         for keep in BEFORE_MATCH:
             endpoints = keep(context, endpoints)
         if route is not None and request is not None and self._prefix is not None:
-            match = self._prefix.match(catalog, route, request, endpoints)
+            match = self._prefix.match(catalog, route, request, endpoints, tokenized)
             context = FilterContext(catalog, route, subset, max_tokens, match, self._reachable)
         for keep in AFTER_MATCH:
             endpoints = keep(context, endpoints)

@@ -23,6 +23,7 @@ from extproc.kvindex.ingest import IndexIngest
 from extproc.kvindex.subscriptions import KVSubscriptions
 from extproc.scheduling.prefix import PrefixScorer
 from extproc.settings import PrefixSettings
+from extproc.tokenize.pool import TokenizePool
 from extproc.tokenize.registry import TokenizerRegistry
 from extproc.types import EndpointAddress
 
@@ -41,11 +42,22 @@ class PrefixRouting:
         self.subscriptions = KVSubscriptions(self.ingest)
         self.follower = KVEventsFollower(store, self.index, self.ingest, self.subscriptions)
         self.parity = ParityChecker(store, self.tokenizers)
+        #: None without tokenizers, or with --tokenize-threads 0 (prompts tokenized on the loop).
+        self.tokenize_pool = (
+            TokenizePool(
+                threads=settings.tokenize_threads,
+                max_pending=settings.tokenize_queue,
+                budget=settings.tokenize_budget,
+            )
+            if self.tokenizers.models() and settings.tokenize_threads != 0
+            else None
+        )
         self.scorer = PrefixScorer(
             index=self.index,
             tokenizers=self.tokenizers,
             approx=self.approx,
             blocked=self.parity.blocked_models,
+            pool=self.tokenize_pool,
         )
 
         self._endpoints: frozenset[EndpointAddress] = frozenset()
@@ -75,6 +87,8 @@ class PrefixRouting:
         self._unsubscribe()
         await self.parity.close()
         await self.follower.close()
+        if self.tokenize_pool is not None:
+            self.tokenize_pool.close()
 
     def collector(self) -> Collector:
         return PrefixCollector(self)
@@ -128,6 +142,22 @@ class PrefixCollector(Collector):
         for mode, count in r.scorer.counters.lookups.items():
             lookups.add_metric([mode], count)
         yield lookups
+        pool = r.tokenize_pool
+        if pool is not None:
+            fallbacks = CounterMetricFamily(
+                "extproc_tokenize_fallbacks",
+                "Prompts routed without their tokens (approximately): queue_full (--tokenize-queue "
+                "prompts already tokenizing or waiting), budget (not ready within --tokenize-budget-ms).",
+                labels=["reason"],
+            )
+            for reason, count in pool.fallbacks.items():
+                fallbacks.add_metric([reason], count)
+            yield fallbacks
+            yield GaugeMetricFamily(
+                "extproc_tokenize_pending",
+                "Prompts being tokenized or waiting for a thread.",
+                value=pool.pending,
+            )
         yield CounterMetricFamily(
             "extproc_prefix_tokenize_errors",
             "Prompts the model's tokenizer or chat template could not process (routed approximately).",

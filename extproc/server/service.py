@@ -20,7 +20,7 @@ from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as 
 from extproc.server import messages
 from extproc.server.accounting import AccountingStream, LeaseSource
 from extproc.server.budget import BodyBudget
-from extproc.server.stream import RequestStream, Router
+from extproc.server.stream import Pending, RequestStream, Router
 from extproc.telemetry import LogLimiter, Metrics
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                     stream = self._stream_for(request)
                 try:
                     responses = stream.handle(request)
+                    if isinstance(responses, Pending):
+                        responses = await responses.wait()
                 except Exception:
                     # A bug, not a client's fault: answer 500 once, keep the server up.
                     log.exception("internal error request_id=%s", stream.request_id)

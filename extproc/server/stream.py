@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Literal, Protocol
+from collections.abc import Coroutine
+from typing import Any, Literal, Protocol
 
 from extproc.errors import BadRequest, BodyTooLarge, ModelNotFound, Overloaded, RequestError
 from extproc.openai import (
@@ -35,6 +36,7 @@ from extproc.openai import (
 from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.scheduling.inflight import Lease
+from extproc.scheduling.prefix import Tokenized
 from extproc.scheduling.scheduler import Decision
 from extproc.server import messages
 from extproc.server.accounting import LEASE_HEADER, PREFILL_HEADER
@@ -54,12 +56,43 @@ _UNEXPECTED: LogLimiter[str] = LogLimiter(time.monotonic)
 Responses = list[ep.ProcessingResponse]
 
 
+class Pending:
+    """Answers that need an await first (the prompt is being tokenized off the event loop).
+
+    :meth:`RequestStream.handle` returns one instead of a list; the gRPC handler awaits :meth:`wait`.
+    """
+
+    __slots__ = ("_after", "_answers")
+
+    def __init__(self, answers: Coroutine[Any, Any, Responses], after: Responses | None = None) -> None:
+        self._answers = answers
+        self._after = after or []
+
+    def then(self, *more: ep.ProcessingResponse) -> Pending:
+        """The same answers, followed by ``more``."""
+        return Pending(self._answers, [*self._after, *more])
+
+    async def wait(self) -> Responses:
+        return [*(await self._answers), *self._after]
+
+
 class Router(Protocol):
     """What a stream needs from the routing side (defined here, by its consumer)."""
 
     def schedule(
-        self, request: InferenceRequest | None, subset: frozenset[str] | None = None
+        self,
+        request: InferenceRequest | None,
+        subset: frozenset[str] | None = None,
+        tokenized: Tokenized | None = None,
     ) -> Decision: ...
+
+    def tokenizes_first(self, request: InferenceRequest) -> bool:
+        """True when the prompt is tokenized (off the event loop) before the decision."""
+        return False
+
+    async def tokenize(self, request: InferenceRequest) -> Tokenized | None:
+        """The prompt's token ids for :meth:`schedule` (None, or ids None: decide without them)."""
+        return None
 
     def acquire(
         self, address: EndpointAddress, *, prefill_tokens: int = 0, prefill_seconds: float = 0.0
@@ -117,8 +150,11 @@ class RequestStream:
     def request_id(self) -> str:
         return messages.request_id(self._headers)
 
-    def handle(self, request: ep.ProcessingRequest) -> Responses:
-        """Answer one message from Envoy; errors a client caused become HTTP answers."""
+    def handle(self, request: ep.ProcessingRequest) -> Responses | Pending:
+        """Answer one message from Envoy; errors a client caused become HTTP answers.
+
+        A :class:`Pending` (only for the message completing a request body) must be awaited.
+        """
         kind = request.WhichOneof("request")
         try:
             if kind == "request_headers":
@@ -184,7 +220,7 @@ class RequestStream:
         decision = self._router.schedule(None, self._subset)
         return [self._routed(decision, started, phase="headers")]
 
-    def _on_request_body(self, body: ep.HttpBody) -> Responses:
+    def _on_request_body(self, body: ep.HttpBody) -> Responses | Pending:
         if self._done:
             # Envoy may still flush chunks after we decided (e.g. after an immediate response race).
             return []
@@ -200,19 +236,40 @@ class RequestStream:
             return [] if self._full_duplex else [messages.acknowledge("request_body")]
         return self._decide_with_body(end_of_stream=True)
 
-    def _on_request_trailers(self) -> Responses:
+    def _on_request_trailers(self) -> Responses | Pending:
         if self._done:
             return [messages.acknowledge("request_trailers")]
         # Trailers end the body when the client sent them.
-        return [*self._decide_with_body(end_of_stream=False), messages.acknowledge("request_trailers")]
+        decided = self._decide_with_body(end_of_stream=False)
+        acknowledged = messages.acknowledge("request_trailers")
+        if isinstance(decided, Pending):
+            return decided.then(acknowledged)
+        return [*decided, acknowledged]
 
-    def _decide_with_body(self, *, end_of_stream: bool) -> Responses:
+    def _decide_with_body(self, *, end_of_stream: bool) -> Responses | Pending:
         started = time.perf_counter()
         body = bytes(self._body)
         self._drop_body()
         self._metrics.body_bytes.observe(len(body))
         parsed = parse_request(body, path=self._path)
+        if self._router.tokenizes_first(parsed):
+            return Pending(self._decide_once_tokenized(parsed, body, started, end_of_stream))
         decision = self._router.schedule(parsed, self._subset)
+        return self._answer_decision(decision, parsed, body, started, end_of_stream)
+
+    async def _decide_once_tokenized(
+        self, parsed: InferenceRequest, body: bytes, started: float, end_of_stream: bool
+    ) -> Responses:
+        try:
+            tokenized = await self._router.tokenize(parsed)
+            decision = self._router.schedule(parsed, self._subset, tokenized)
+            return self._answer_decision(decision, parsed, body, started, end_of_stream)
+        except RequestError as error:
+            return self._reject(error)
+
+    def _answer_decision(
+        self, decision: Decision, parsed: InferenceRequest, body: bytes, started: float, end_of_stream: bool
+    ) -> Responses:
         route = decision.route
         rewritten: bytes | None = None
         if route is not None and route.is_alias:

@@ -21,11 +21,12 @@ from extproc.kvindex.follow import plan_sources
 from extproc.kvindex.index import PrefixIndex
 from extproc.kvindex.ingest import IndexIngest
 from extproc.openai import read_request
-from extproc.scheduling.prefix import PrefixMatch, PrefixScorer
+from extproc.scheduling.prefix import PrefixMatch, PrefixScorer, Tokenized
 from extproc.settings import TokenizerSpec
 from extproc.sim.kv_events import BlockStored
 from extproc.sim.kv_wire import encode_batch
 from extproc.tokenize import shipped_chat_template, shipped_tokenizer
+from extproc.tokenize.pool import TokenizePool
 from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerRegistry
 from extproc.types import EndpointAddress
 
@@ -97,14 +98,18 @@ def estimated_tokens(path: str, payload: dict[str, Any]) -> int:
 class Router:
     """A catalog, an index registered from it (as the follower does) and a scorer over both."""
 
-    def __init__(self, *, blocked: frozenset[str] = frozenset()) -> None:
+    def __init__(self, *, blocked: frozenset[str] = frozenset(), pool: TokenizePool | None = None) -> None:
         self.catalog = make_catalog()
         self.index = PrefixIndex(max_entries=100_000, max_entries_per_source=100_000)
         for source, plan in plan_sources(self.catalog).items():
             self.index.add_source(source, namespace=plan.namespace, block_size=plan.block_size)
         self.ingest = IndexIngest(self.index)
         self.scorer = PrefixScorer(
-            index=self.index, tokenizers=REGISTRY, approx=ApproxPrefixIndex(), blocked=lambda: blocked
+            index=self.index,
+            tokenizers=REGISTRY,
+            approx=ApproxPrefixIndex(),
+            blocked=lambda: blocked,
+            pool=pool,
         )
         self._seq = 0
 
@@ -407,3 +412,49 @@ def test_data_parallel_pod_names_the_rank_whose_offload_tier_holds_the_prefix() 
     assert match.cached_tokens == {EndpointAddress("10.0.9.1:8000"): 0}
     assert match.lower_tier_tokens == {EndpointAddress("10.0.9.1:8000"): 48}
     assert match.ranks == {EndpointAddress("10.0.9.1:8000"): 1}
+
+
+@pytest.mark.parametrize(("path", "payload"), PROMPTS, ids=PROMPT_IDS)
+async def test_tokens_computed_in_the_pool_match_as_inline_ones(path: str, payload: dict[str, Any]) -> None:
+    """Tokenized off the loop first, a prompt is credited exactly as when tokenized inline."""
+    pool = TokenizePool(threads=2)
+    router = Router(pool=pool)
+    try:
+        tokens = engine_tokens(path, payload)
+        router.feed(KV1, tokens, 5)
+        route = router.route(LLAMA)
+        request = read_request(path, {"model": LLAMA, **payload})
+        assert router.scorer.tokenizes_first(route)
+        tokenized = await router.scorer.prompt_tokens(route, request)
+        assert tokenized == Tokenized(LLAMA, tokens)
+        match = router.scorer.match(router.catalog, route, request, route.endpoints, tokenized)
+        assert (match.mode, match.cached_tokens[KV1], match.prompt_tokens) == ("precise", 5 * 16, len(tokens))
+        assert match == router.match(LLAMA, path, payload)  # the inline path agrees
+    finally:
+        pool.close()
+
+
+async def test_a_prompt_not_tokenized_within_its_budget_is_matched_approximately() -> None:
+    """Past --tokenize-budget-ms the request does not wait: it is routed by our own history."""
+    pool = TokenizePool(threads=1, budget=1e-6)
+    router = Router(pool=pool)
+    try:
+        route = router.route(LLAMA)
+        request = read_request(COMPLETIONS, {"model": LLAMA, "prompt": LONG * 20})
+        tokenized = await router.scorer.prompt_tokens(route, request)
+        assert tokenized == Tokenized(LLAMA, None)
+        assert pool.fallbacks["budget"] == 1
+        match = router.scorer.match(router.catalog, route, request, route.endpoints, tokenized)
+        assert match.mode == "approximate" and match.prompt_tokens == len(LONG * 20) // CHARS_PER_TOKEN
+    finally:
+        pool.close()
+
+
+async def test_without_a_tokenizer_or_kv_events_nothing_is_tokenized_first() -> None:
+    pool = TokenizePool(threads=1)
+    router = Router(pool=pool)
+    try:
+        assert not router.scorer.tokenizes_first(router.route(QWEN))  # KV events, no tokenizer
+        assert Router().scorer.tokenizes_first(router.route(LLAMA)) is False  # no pool: inline
+    finally:
+        pool.close()

@@ -15,7 +15,7 @@ from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.scheduling.inflight import InFlight, Lease
 from extproc.scheduling.predictor import PredictedTTFT
-from extproc.scheduling.prefix import PrefixMatch
+from extproc.scheduling.prefix import PrefixMatch, Tokenized
 from extproc.scheduling.profiles import DEFAULT
 from extproc.scheduling.scheduler import Decision, Scheduler
 from extproc.server.budget import BodyBudget
@@ -358,7 +358,12 @@ class _RankedRouter:
         self.unreachable_reports: list[EndpointAddress] = []
         self.retried_away_reports: list[EndpointAddress] = []
 
-    def schedule(self, request: InferenceRequest | None, subset: frozenset[str] | None = None) -> Decision:
+    def schedule(
+        self,
+        request: InferenceRequest | None,
+        subset: frozenset[str] | None = None,
+        tokenized: Tokenized | None = None,
+    ) -> Decision:
         route = _catalog().resolve("llama-3-8b")
         assert route is not None
         pick = route.endpoints[0]
@@ -377,6 +382,12 @@ class _RankedRouter:
     def routing_ended(self, token: str) -> None:
         if self._offered is not None:
             self._offered.release()
+
+    def tokenizes_first(self, request: InferenceRequest) -> bool:
+        return False
+
+    async def tokenize(self, request: InferenceRequest) -> Tokenized | None:
+        return None
 
     def unreachable(self, address: EndpointAddress) -> None:
         self.unreachable_reports.append(address)
