@@ -81,6 +81,12 @@ class Metrics:
             "Request-body bytes held by streams waiting for their last chunk (see --max-buffered-bytes).",
             registry=self.registry,
         )
+        self.loop_lag = Histogram(
+            "extproc_event_loop_lag_seconds",
+            "How late a timer due every 10 ms ran: the wait the event loop imposed on every request.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=self.registry,
+        )
         self.upstream_failures = Counter(
             "extproc_upstream_failures_total",
             "Routed requests whose pick failed, as Envoy's response attributes tell: connect_failed "

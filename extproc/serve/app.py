@@ -26,6 +26,7 @@ from extproc.scheduling.profiles import ProfileStore, profile_lookup
 from extproc.scheduling.registry import DEFAULT_POLICY, build_policy
 from extproc.scheduling.scheduler import Scheduler
 from extproc.serve.collectors import CatalogCollector, UnknownProfileCollector
+from extproc.serve.loop_lag import watch_loop_lag
 from extproc.serve.observed import observe_worker_sets
 from extproc.serve.prefix_routing import PrefixRouting
 from extproc.server.budget import BodyBudget
@@ -84,6 +85,7 @@ class Server:
         self._admin: AdminRunner | None = None
         self._watch: asyncio.Task[None] | None = None
         self._profile_poll: asyncio.Task[None] | None = None
+        self._loop_lag: asyncio.Task[None] | None = None
         self._started = time.time()
         #: Set by :meth:`drain`: health answers NOT_SERVING while streams are still served.
         self.draining = False
@@ -103,6 +105,7 @@ class Server:
             await self.stop()
             raise
         self._watch = asyncio.create_task(self.source.watch(self._publish), name="catalog-source")
+        self._loop_lag = asyncio.create_task(watch_loop_lag(self.metrics.loop_lag), name="loop-lag")
         self.prefix.start()
         self.discovery.start()
         if self.settings.scrape_interval > 0:
@@ -223,7 +226,7 @@ class Server:
 
     async def stop(self) -> None:
         """Stop taking streams, let open ones finish for ``drain_seconds``, then close."""
-        for task in (self._watch, self._profile_poll):
+        for task in (self._watch, self._profile_poll, self._loop_lag):
             await cancel_and_wait(task)
         if self._grpc is not None:
             await self._grpc.stop(grace=self.settings.drain_seconds)
