@@ -143,6 +143,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="prompts tokenized or waiting at once; past it a request is routed without tokens (256)",
     )
     g.add_argument(
+        "--tokenize-cache-mb",
+        type=float,
+        default=64.0,
+        help="MiB of prompt pieces' token ids remembered per model, so a conversation's next turn "
+        "encodes only what is new (64; 0: off)",
+    )
+    g.add_argument(
         "--tokenize-budget-ms",
         type=float,
         default=250.0,
@@ -189,6 +196,7 @@ def _prefix_settings(args: argparse.Namespace) -> PrefixSettings:
         tokenize_threads=args.tokenize_threads,
         tokenize_queue=args.tokenize_queue,
         tokenize_budget=args.tokenize_budget_ms / 1000,
+        tokenize_cache_bytes=int(args.tokenize_cache_mb * 1024 * 1024),
     )
 
 

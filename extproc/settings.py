@@ -153,6 +153,9 @@ class PrefixSettings:
     tokenize_queue: int = 256
     #: Seconds a request waits for its prompt's tokens before it is routed without them.
     tokenize_budget: float = 0.25
+    #: Bytes of prompt pieces' ids remembered per model, so a conversation's next turn encodes only
+    #: what is new (0: off).
+    tokenize_cache_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         for flag, value in (
@@ -165,6 +168,8 @@ class PrefixSettings:
                 raise ConfigError(f"{flag} must be at least 1, got {value}")
         if self.tokenize_threads is not None and self.tokenize_threads < 0:
             raise ConfigError(f"--tokenize-threads must be 0 (inline) or more, got {self.tokenize_threads}")
+        if self.tokenize_cache_bytes < 0:
+            raise ConfigError(f"--tokenize-cache-mb must be 0 (off) or more, got {self.tokenize_cache_bytes}")
         if not self.tokenize_budget > 0:
             raise ConfigError(f"--tokenize-budget-ms must be positive, got {self.tokenize_budget * 1000:g}")
         models = [spec.model for spec in self.tokenizers]

@@ -32,7 +32,9 @@ class PrefixRouting:
     """The prefix-cache side of ``serve``."""
 
     def __init__(self, settings: PrefixSettings, store: CatalogStore) -> None:
-        self.tokenizers = TokenizerRegistry.load(settings.tokenizers, hf_cache=settings.hf_cache)
+        self.tokenizers = TokenizerRegistry.load(
+            settings.tokenizers, hf_cache=settings.hf_cache, segment_cache_bytes=settings.tokenize_cache_bytes
+        )
         self.index = PrefixIndex(
             max_entries=settings.index_max_blocks,
             max_entries_per_source=settings.index_max_blocks_per_endpoint,
@@ -158,6 +160,24 @@ class PrefixCollector(Collector):
                 "Prompts being tokenized or waiting for a thread.",
                 value=pool.pending,
             )
+        lookups_cached = CounterMetricFamily(
+            "extproc_tokenize_cache_lookups",
+            "Prompt pieces (text between added tokens) looked up in a model's cache of their ids: a "
+            "hit is a piece not encoded again (--tokenize-cache-mb).",
+            labels=["model", "result"],
+        )
+        held = GaugeMetricFamily(
+            "extproc_tokenize_cache_bytes", "Bytes a model's prompt-piece cache holds.", labels=["model"]
+        )
+        for model in r.tokenizers.models():
+            entry = r.tokenizers.get(model)
+            cache = None if entry is None else entry.tokenizer.segment_cache
+            if cache is not None:
+                lookups_cached.add_metric([model, "hit"], cache.stats.hits)
+                lookups_cached.add_metric([model, "miss"], cache.stats.misses)
+                held.add_metric([model], cache.bytes)
+        yield lookups_cached
+        yield held
         yield CounterMetricFamily(
             "extproc_prefix_tokenize_errors",
             "Prompts the model's tokenizer or chat template could not process (routed approximately).",

@@ -51,8 +51,14 @@ class TokenizerRegistry:
         self._models = dict(models or {})
 
     @classmethod
-    def load(cls, specs: Iterable[TokenizerSpec], *, hf_cache: Path | None = None) -> TokenizerRegistry:
-        """Load every spec; ConfigError names the model and the path that failed."""
+    def load(
+        cls, specs: Iterable[TokenizerSpec], *, hf_cache: Path | None = None, segment_cache_bytes: int = 0
+    ) -> TokenizerRegistry:
+        """Load every spec; ConfigError names the model and the path that failed.
+
+        ``segment_cache_bytes`` > 0 makes each tokenizer encode incrementally where it can
+        (:mod:`extproc.tokenize.segments`), remembering that many bytes of pieces.
+        """
         loaded: dict[str, ModelTokenizer] = {}
         for spec in specs:
             try:
@@ -60,6 +66,8 @@ class TokenizerRegistry:
                 template = _load_template(spec.chat_template, tokenizer)
             except ConfigError as exc:
                 raise ConfigError(f"tokenizer for model {spec.model!r}: {exc}") from None
+            if segment_cache_bytes > 0:
+                tokenizer.enable_segment_cache(segment_cache_bytes)
             loaded[spec.model] = ModelTokenizer(tokenizer, template)
         return cls(loaded)
 

@@ -25,6 +25,7 @@ from tokenizers import processors
 
 from extproc.tokenize.chat_template import ChatTemplate
 from extproc.tokenize.errors import ChatTemplateLoadError, TokenIdError, TokenizerError
+from extproc.tokenize.segments import SegmentCache, splitter_for
 
 # transformers' clean_up_tokenization: undo the spaces a word-level detokenizer put before punctuation.
 _CLEANUPS = (
@@ -77,6 +78,9 @@ class Tokenizer:
             i for i, t in backend.get_added_tokens_decoder().items() if t.special
         )
         self._compiled: dict[str, ChatTemplate] = {}
+        self._splitter = splitter_for(backend)
+        #: Set by :meth:`enable_segment_cache`: the ids of prompt pieces seen before.
+        self.segment_cache: SegmentCache | None = None
 
     # --- loading ---------------------------------------------------------------------------------
 
@@ -127,9 +131,23 @@ class Tokenizer:
         while it works: ``encode`` holds it throughout (a 35k-token prompt blocked every other
         Python thread, the event loop included, for 130 ms).
         """
+        if not add_special_tokens and self.segment_cache is not None and self._splitter is not None:
+            return self.segment_cache.encode(self._splitter, text, self._encode_pieces)
         if len(text) >= _RELEASE_GIL_CHARS:
             return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def enable_segment_cache(self, max_bytes: int) -> bool:
+        """Encode incrementally from now on (see :mod:`extproc.tokenize.segments`), remembering up
+        to ``max_bytes`` of pieces; False (and nothing changes) when this tokenizer's added tokens
+        do not allow it exactly."""
+        if self._splitter is None:
+            return False
+        self.segment_cache = SegmentCache(max_bytes)
+        return True
+
+    def _encode_pieces(self, pieces: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._backend.encode_batch(pieces, add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; unknown ids are a :class:`TokenIdError` (400) like vLLM's detokenize."""

@@ -1,0 +1,398 @@
+"""Long prompts against short ones: what tokenizing them costs `serve`'s decisions (issue 13 targets).
+
+`serve` (a subprocess) routes precisely with the real Llama 3 tokenizer (128k vocabulary, its own
+chat template; ``scripts/fetch_tokenizers.py``) over 8 endpoints that declare KV events. The gRPC
+load client plays Envoy (``grpc_load.one_stream``); nothing else runs. Bodies never repeat except
+the small one, so no cache of whole bodies can help. Measured, per `serve` variant, in one run:
+
+- **small**: decisions/s of a 64-byte chat, 16 streams (the reference for the ratios below);
+- **conversations 8k / 32k**: 16 clients, each walking its own conversation (history of ~8k or
+  ~32k tokens plus one new ~30-word user turn per request; the answer joins the history);
+- **cold 8k**: unique ~8k-token chats, 16 streams: `serve`'s prompt tokens/s against the tokenizer
+  library's own ``encode_batch`` on the same texts in this process (all cores);
+- **no stall**: one client's small requests, p99, alone and while another client streams unique
+  ~32k-token chats;
+- **next turn**: one stream; p50 of a conversation's next turn (same ~8k history, a new last
+  message) against p50 of cold ~8k prompts;
+- **event loop**: `serve`'s own ``extproc_event_loop_lag_seconds``: the share of 10 ms timer ticks
+  more than 5 ms late over the whole run, and the largest bucket reached.
+
+Variants: ``inline`` (``--tokenize-threads 0``: tokenized on the event loop, as before) and
+``pool`` (the default: worker threads, bounded). Writes ``bench/results/long_prompts.{json,md}``.
+
+    python bench/long_prompts.py [--seconds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+import grpc
+import orjson
+import tokenizers
+from grpc_load import chat_body, closed_loop, one_stream, request_messages
+from machine import machine
+from stack import wait_http
+
+from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
+from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "scripts"))
+sys.path.insert(0, str(HERE.parent / "tests"))
+from fetch_tokenizers import ensure  # noqa: E402
+from ports import free_port  # noqa: E402
+
+MODEL = "bench-model"
+STREAMS = 16
+VARIANTS = {"inline": ["--tokenize-threads", "0"], "pool": []}
+#: Targets of issue 13, as ratios (higher is better, except the stall and next-turn ratios).
+TARGETS = {
+    "conversations_8k": 0.50,
+    "conversations_32k": 0.25,
+    "cold_tokens": 0.70,
+    "stall": 1.5,
+    "next_turn": 0.20,
+}
+_WORDS = tuple(
+    " ".join(
+        (
+            "the of and to in is was for on that with as by at from this which be are an or it not",
+            "have model cache token engine router prefix request latency queue batch prompt memory",
+            "block server gateway pool worker decode prefill context window history answer question",
+            "system user",
+        )
+    ).split(" ")
+)
+
+
+class Texts:
+    """Random English-like text, calibrated to the tokenizer: ``of(tokens)`` is about that long."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, seed: int) -> None:
+        self.rng = random.Random(seed)
+        sample = self.words(4000)
+        self.chars_per_token = len(sample) / len(tokenizer.encode(sample, add_special_tokens=False).ids)
+
+    def words(self, count: int) -> str:
+        return " ".join(self.rng.choice(_WORDS) for _ in range(count))
+
+    def of(self, tokens: int) -> str:
+        text = self.words(int(tokens * self.chars_per_token / 5) + 1)
+        return text[: int(tokens * self.chars_per_token)]
+
+
+class Conversation:
+    """A history and its next user turn; ``advance`` adds the turn and a short answer."""
+
+    def __init__(self, texts: Texts, history_tokens: int) -> None:
+        self.texts = texts
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": texts.of(history_tokens)}]
+
+    def body(self) -> bytes:
+        self.turn = {"role": "user", "content": self.texts.words(30)}
+        messages = [*self.messages, self.turn]
+        return orjson.dumps({"model": MODEL, "messages": messages, "max_tokens": 64})
+
+    def advance(self) -> None:
+        self.messages += [self.turn, {"role": "assistant", "content": self.texts.words(20)}]
+
+
+class Turns:
+    """Each call takes an idle conversation, sends its next turn, and puts it back advanced."""
+
+    def __init__(self, send: Callable[[bytes], Awaitable[str]], conversations: list[Conversation]) -> None:
+        self._send = send
+        self._idle: asyncio.Queue[Conversation] = asyncio.Queue()
+        for conversation in conversations:
+            self._idle.put_nowait(conversation)
+
+    async def next(self) -> str:
+        conversation = await self._idle.get()
+        try:
+            label = await self._send(conversation.body())
+            conversation.advance()
+            return label
+        finally:
+            self._idle.put_nowait(conversation)
+
+
+def cold_body(texts: Texts, tokens: int) -> bytes:
+    messages = [{"role": "user", "content": texts.of(tokens)}]
+    return orjson.dumps({"model": MODEL, "messages": messages, "max_tokens": 64})
+
+
+async def start_serve(
+    catalog: Path, tokenizer_dir: Path, extra: list[str], log: IO[bytes]
+) -> tuple[asyncio.subprocess.Process, int, int]:
+    grpc_port, admin_port = free_port(), free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "extproc", "--log-level", "warning", "serve",
+        "--source", f"file:{catalog}", "--listen", f"127.0.0.1:{grpc_port}",
+        "--admin-listen", f"127.0.0.1:{admin_port}", "--scrape-interval", "0",
+        "--tokenizer", f"{MODEL}={tokenizer_dir}", *extra,
+        stdout=asyncio.subprocess.DEVNULL, stderr=log,
+    )  # fmt: skip
+    await wait_http(f"http://127.0.0.1:{admin_port}/readyz")
+    return proc, grpc_port, admin_port
+
+
+async def loop_lag(admin_port: int) -> dict[str, float]:
+    """Bucket counts of serve's ``extproc_event_loop_lag_seconds`` (cumulative, by ``le``)."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{admin_port}/metrics") as resp,
+    ):
+        text = await resp.text()
+    buckets: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("extproc_event_loop_lag_seconds_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[le] = float(line.rsplit(" ", 1)[1])
+    return buckets
+
+
+def lag_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    delta = {le: after[le] - before.get(le, 0.0) for le in after}
+    total = delta.get("+Inf", 0.0)
+    over_5ms = total - delta.get("0.005", 0.0)
+    worst = next((le for le in sorted(delta, key=lambda x: float(x)) if delta[le] == total), "+Inf")
+    return {"ticks": total, "over_5ms": over_5ms, "worst_bucket_le": worst}
+
+
+async def latencies(call: Callable[[], Awaitable[object]], count: int) -> list[float]:
+    out = []
+    for _ in range(count):
+        started = time.perf_counter()
+        await call()
+        out.append(time.perf_counter() - started)
+    return out
+
+
+def p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def metric_values(admin_port: int, prefix: str) -> dict[str, float]:
+    """Every sample of ``serve``'s /metrics whose line starts with ``prefix``, by its whole name."""
+    url = f"http://127.0.0.1:{admin_port}/metrics"
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        text = await resp.text()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix)
+    }
+
+
+async def precise_share(admin_port: int, measure: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """Run ``measure`` and add the share of its requests matched precisely (tokenized in time)."""
+    before = await metric_values(admin_port, "extproc_prefix_lookups_total")
+    result = await measure
+    after = await metric_values(admin_port, "extproc_prefix_lookups_total")
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    total = sum(delta.values())
+    result["precise_share"] = (
+        delta.get('extproc_prefix_lookups_total{mode="precise"}', 0.0) / total if total else 0.0
+    )
+    return result
+
+
+async def measure_variant(
+    target: str, admin_port: int, texts: Texts, seconds: float, backend: tokenizers.Tokenizer
+) -> dict[str, Any]:
+    options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+    out: dict[str, Any] = {}
+    async with grpc.aio.insecure_channel(target, options=options) as channel:
+        stub = ep_grpc.ExternalProcessorStub(channel)  # type: ignore[no-untyped-call]
+
+        async def send(body: bytes) -> str:
+            return await one_stream(stub, request_messages(body))
+
+        small = chat_body(MODEL)
+        out["small"] = await closed_loop(lambda: send(small), concurrency=STREAMS, duration=seconds)
+
+        for name, tokens in (("conversations_8k", 8_000), ("conversations_32k", 32_000)):
+            turns = Turns(send, [Conversation(texts, tokens) for _ in range(STREAMS)])
+            out[name] = await precise_share(
+                admin_port, closed_loop(turns.next, concurrency=STREAMS, duration=seconds, warmup=0.5)
+            )
+
+        cold = [cold_body(texts, 8_000) for _ in range(4000)]
+        bodies = iter(cold)
+        out["cold_8k"] = await precise_share(
+            admin_port, closed_loop(lambda: send(next(bodies)), concurrency=STREAMS, duration=seconds)
+        )
+        used = [orjson.loads(b)["messages"][0]["content"] for b in cold[: out["cold_8k"]["completed"] or 1]]
+        started = time.perf_counter()
+        encoded = backend.encode_batch(used, add_special_tokens=False)
+        library_s = time.perf_counter() - started
+        tokens_per_prompt = statistics.fmean(len(e.ids) for e in encoded)
+        out["cold_8k"]["tokens_per_prompt"] = tokens_per_prompt
+        # Only prompts tokenized in time count: a fallback was routed without its tokens.
+        cold = out["cold_8k"]
+        cold["serve_tokens_per_s"] = cold["per_s"] * cold["precise_share"] * tokens_per_prompt
+        out["cold_8k"]["library_tokens_per_s"] = sum(len(e.ids) for e in encoded) / library_s
+
+        alone = await latencies(lambda: send(small), 200)
+        stop = asyncio.Event()
+
+        async def long_stream() -> None:
+            while not stop.is_set():
+                await send(cold_body(texts, 32_000))
+
+        background = asyncio.create_task(long_stream())
+        await asyncio.sleep(0.5)
+        beside = await latencies(lambda: send(small), 200)
+        stop.set()
+        await background
+        out["stall"] = {"p99_alone_ms": p(alone, 0.99) * 1e3, "p99_beside_32k_ms": p(beside, 0.99) * 1e3}
+
+        conversation = Conversation(texts, 8_000)
+        next_turns = []
+        for _ in range(30):
+            body = conversation.body()
+            started = time.perf_counter()
+            await send(body)
+            next_turns.append(time.perf_counter() - started)
+        colds = await latencies(lambda: send(cold_body(texts, 8_000)), 30)
+        out["next_turn"] = {"p50_next_turn_ms": p(next_turns, 0.5) * 1e3, "p50_cold_ms": p(colds, 0.5) * 1e3}
+    return out
+
+
+def ratios(r: dict[str, Any]) -> dict[str, float]:
+    small = r["small"]["per_s"]
+    return {
+        "conversations_8k": r["conversations_8k"]["per_s"] / small,
+        "conversations_32k": r["conversations_32k"]["per_s"] / small,
+        "cold_tokens": r["cold_8k"]["serve_tokens_per_s"] / r["cold_8k"]["library_tokens_per_s"],
+        "stall": r["stall"]["p99_beside_32k_ms"] / r["stall"]["p99_alone_ms"],
+        "next_turn": r["next_turn"]["p50_next_turn_ms"] / r["next_turn"]["p50_cold_ms"],
+    }
+
+
+async def run(seconds: float) -> dict[str, Any]:
+    tokenizer_dir = ensure("llama3")
+    backend = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    texts = Texts(backend, seed=13)
+    results: dict[str, Any] = {"machine": machine(), "seconds": seconds, "variants": {}}
+    with tempfile.TemporaryDirectory(prefix="extproc-long-") as tmp:
+        catalog = Path(tmp) / "catalog.yaml"
+        endpoints = [f"127.0.0.{i}:{free_port()}" for i in range(1, 9)]
+        kv_ports = {e: (free_port(), free_port()) for e in endpoints}
+        catalog.write_text(catalog_yaml([LocalWorkerSet("bench", MODEL, endpoints, kv_ports=kv_ports)]))
+        for variant, extra in VARIANTS.items():
+            with open(Path(tmp) / f"serve-{variant}.log", "wb") as log:  # noqa: ASYNC230 (local, instant)
+                proc, grpc_port, admin_port = await start_serve(catalog, tokenizer_dir, extra, log)
+            try:
+                before = await loop_lag(admin_port)
+                measured = await measure_variant(
+                    f"127.0.0.1:{grpc_port}", admin_port, texts, seconds, backend
+                )
+                measured["fallbacks"] = await metric_values(admin_port, "extproc_tokenize_fallbacks_total")
+                measured["loop_lag"] = lag_summary(before, await loop_lag(admin_port))
+            finally:
+                proc.terminate()
+                await proc.wait()
+            measured["ratios"] = ratios(measured)
+            results["variants"][variant] = measured
+            print(variant, json.dumps(measured["ratios"]), file=sys.stderr)
+    return results
+
+
+def report(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    names = list(results["variants"])
+    lines = [
+        "# Long prompts against short ones (real Llama 3 tokenizer)",
+        "",
+        f"{m['date']}, commit {m['git_commit'][:12]}{' (dirty)' if m['git_dirty'] else ''}; "
+        f"{m['cpu_model']}, {m['cores']} cores; Python {m['python']}. `serve` and the gRPC load client "
+        f"share the cores; {results['seconds']:g} s per closed-loop measure, {STREAMS} streams.",
+        "",
+        "| measure | target | " + " | ".join(names) + " |",
+        "|---|--:|" + "--:|" * len(names),
+    ]
+    labels = {
+        "conversations_8k": "8k conversations: decisions/s, share of small",
+        "conversations_32k": "32k conversations: decisions/s, share of small",
+        "cold_tokens": "cold 8k prompts: tokens/s (tokenized in time), share of encode_batch",
+        "stall": "small p99 beside 32k prompts, x alone",
+        "next_turn": "next turn p50, share of a cold prompt",
+    }
+    for key, label in labels.items():
+        target = ("≤ " if key in ("stall", "next_turn") else "≥ ") + f"{TARGETS[key]:g}"
+        cells = [f"{results['variants'][n]['ratios'][key]:.2f}" for n in names]
+        lines.append(f"| {label} | {target} | " + " | ".join(cells) + " |")
+    raw = [
+        ("small decisions/s", lambda v: f"{v['small']['per_s']:.0f}"),
+        ("8k conversations decisions/s", lambda v: f"{v['conversations_8k']['per_s']:.1f}"),
+        ("32k conversations decisions/s", lambda v: f"{v['conversations_32k']['per_s']:.1f}"),
+        (
+            "cold 8k: serve / encode_batch tokens/s",
+            lambda v: (
+                f"{v['cold_8k']['serve_tokens_per_s'] / 1e3:.0f}k / "
+                f"{v['cold_8k']['library_tokens_per_s'] / 1e3:.0f}k"
+            ),
+        ),
+        (
+            "small p99 alone / beside 32k ms",
+            lambda v: f"{v['stall']['p99_alone_ms']:.1f} / {v['stall']['p99_beside_32k_ms']:.1f}",
+        ),
+        (
+            "next turn / cold p50 ms",
+            lambda v: f"{v['next_turn']['p50_next_turn_ms']:.1f} / {v['next_turn']['p50_cold_ms']:.1f}",
+        ),
+        (
+            "loop ticks > 5 ms late (of all), worst bucket",
+            lambda v: (
+                f"{v['loop_lag']['over_5ms']:.0f} of {v['loop_lag']['ticks']:.0f}, "
+                f"≤ {v['loop_lag']['worst_bucket_le']} s"
+            ),
+        ),
+        (
+            "tokenized in time: 8k conv / 32k conv / cold 8k",
+            lambda v: " / ".join(
+                f"{v[k]['precise_share']:.0%}" for k in ("conversations_8k", "conversations_32k", "cold_8k")
+            ),
+        ),
+        (
+            "errors (all measures)",
+            lambda v: str(
+                sum(v[k]["errors"] for k in ("small", "conversations_8k", "conversations_32k", "cold_8k"))
+            ),
+        ),
+    ]
+    lines += ["", "| raw | " + " | ".join(names) + " |", "|---|" + "--:|" * len(names)]
+    for label, cell in raw:
+        lines.append(f"| {label} | " + " | ".join(cell(results["variants"][n]) for n in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each closed-loop measure")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "long_prompts.json")
+    args = parser.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    results = asyncio.run(run(args.seconds))
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(report(results))
+    print(report(results))
+
+
+if __name__ == "__main__":
+    main()
