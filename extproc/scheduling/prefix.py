@@ -41,6 +41,9 @@ from extproc.types import EndpointAddress
 log = logging.getLogger(__name__)
 
 PrefixMode = Literal["precise", "approximate", "none"]
+#: Prompts shorter than this (characters) are tokenized on the loop even with a pool: ~1,000
+#: tokens take well under a millisecond, less than a round trip through a worker thread.
+INLINE_PROMPT_CHARS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +102,16 @@ class PrefixScorer:
         self.counters = PrefixCounters()
         self._log_limiter: LogLimiter[str] = LogLimiter(time.monotonic)
 
-    def tokenizes_first(self, route: Route) -> bool:
-        """True when ``route``'s prompts should be tokenized off the loop before the decision."""
+    def tokenizes_first(self, route: Route, request: InferenceRequest) -> bool:
+        """True when ``request``'s prompt should be tokenized off the loop before the decision.
+
+        Short prompts are tokenized inline: handing one to a thread and back costs more than it.
+        """
+        text = request.prefix_text
         return (
             self.pool is not None
+            and text is not None
+            and len(text) >= INLINE_PROMPT_CHARS
             and self._tokenizer(route.upstream_model) is not None
             and any(e.kv_events_port is not None for e in route.endpoints)
         )

@@ -98,7 +98,7 @@ class Scheduler:
         if self._prefix is None or self._prefix.pool is None:
             return False
         route = self._catalog().resolve(request.model)
-        return route is not None and self._prefix.tokenizes_first(route)
+        return route is not None and self._prefix.tokenizes_first(route, request)
 
     async def tokenize(self, request: InferenceRequest) -> Tokenized | None:
         """The prompt's ids, computed off the event loop, bounded in queue and time (may fall back)."""

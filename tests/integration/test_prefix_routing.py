@@ -151,11 +151,20 @@ QUESTIONS = (
 
 
 @MODES
+@pytest.mark.parametrize(
+    "prefix_tokens",
+    # 600 tokens are tokenized inline; 2,000 (~5k characters) in the tokenizing threads.
+    [600, 2000],
+    ids=["inline", "threads"],
+)
 async def test_follow_ups_sharing_a_long_prefix_land_on_the_engine_holding_it(
-    sim_gateway: StartSimGateway, body_mode: str
+    sim_gateway: StartSimGateway, body_mode: str, prefix_tokens: int
 ) -> None:
     gw = await sim_gateway(body_mode=body_mode)
-    system = long_text(tokens, 600, seed=1)
+    system = long_text(tokens, prefix_tokens, seed=1)
+    pool = gw.server.prefix.tokenize_pool
+    assert pool is not None
+    tokenized_before = pool.completed
     first = chat(system, "Question zero: what is in the cache?")
     before = finished(gw.engines)
     answer = await gw.post(CHAT, first)
@@ -183,10 +192,11 @@ async def test_follow_ups_sharing_a_long_prefix_land_on_the_engine_holding_it(
     for body, got in zip(bodies, answers, strict=True):
         follow_ids = prompt_ids(gw.server, body)
         shared = common_prefix(follow_ids, ids) // BLOCK * BLOCK
-        assert shared >= 600
+        assert shared >= prefix_tokens
         assert got["usage"]["prompt_tokens"] == len(follow_ids)
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= shared
     assert gw.server.prefix.scorer.counters.lookups["precise"] == precise + len(bodies)
+    assert pool.completed - tokenized_before == (0 if prefix_tokens < 1000 else 1 + len(bodies))
 
 
 # -- (2) different prefixes spread by load, then each sticks to its own engine ------------------------

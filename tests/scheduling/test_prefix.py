@@ -424,7 +424,7 @@ async def test_tokens_computed_in_the_pool_match_as_inline_ones(path: str, paylo
         router.feed(KV1, tokens, 5)
         route = router.route(LLAMA)
         request = read_request(path, {"model": LLAMA, **payload})
-        assert router.scorer.tokenizes_first(route)
+        assert router.scorer.tokenizes_first(route, request) == (len(request.prefix_text or "") >= 4096)
         tokenized = await router.scorer.prompt_tokens(route, request)
         assert tokenized == Tokenized(LLAMA, tokens)
         match = router.scorer.match(router.catalog, route, request, route.endpoints, tokenized)
@@ -454,7 +454,12 @@ async def test_without_a_tokenizer_or_kv_events_nothing_is_tokenized_first() -> 
     pool = TokenizePool(threads=1)
     router = Router(pool=pool)
     try:
-        assert not router.scorer.tokenizes_first(router.route(QWEN))  # KV events, no tokenizer
-        assert Router().scorer.tokenizes_first(router.route(LLAMA)) is False  # no pool: inline
+        long = read_request(COMPLETIONS, {"model": LLAMA, "prompt": LONG * 20})
+        short = read_request(COMPLETIONS, {"model": LLAMA, "prompt": "Hello"})
+        assert router.scorer.tokenizes_first(router.route(LLAMA), long)
+        assert not router.scorer.tokenizes_first(router.route(LLAMA), short)  # cheaper inline
+        qwen = read_request(COMPLETIONS, {"model": QWEN, "prompt": LONG * 20})
+        assert not router.scorer.tokenizes_first(router.route(QWEN), qwen)  # KV events, no tokenizer
+        assert not Router().scorer.tokenizes_first(router.route(LLAMA), long)  # no pool: inline
     finally:
         pool.close()
