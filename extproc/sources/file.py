@@ -66,7 +66,14 @@ class _Failed:
     read: _Read | None = None
 
 
-_Outcome = _Read | _Failed | tuple[_Read, Compiled] | None
+@dataclass(frozen=True, slots=True)
+class _Settling:
+    """Bytes written moments ago: maybe a write still in progress, looked at again next poll."""
+
+    read: _Read
+
+
+_Outcome = _Read | _Failed | _Settling | tuple[_Read, Compiled] | None
 
 
 def compile_documents(data: bytes, previous: Mapping[ObjectKey, Resource], *, path: Path) -> Compiled:
@@ -189,6 +196,8 @@ class FileSource:
         #: Digest of the last content that failed to parse, and why: not parsed again each poll.
         self._rejected: tuple[bytes, str] | None = None
         self._valid: dict[ObjectKey, Resource] = {}
+        #: Digest of fresh content seen once; used if the next poll finds the same (see ``_check``).
+        self._settling: bytes | None = None
         #: Replaced ``_valid`` dicts, freed off the event loop by ``watch``.
         self._retired: list[dict[ObjectKey, Resource]] = []
         self._problems = ProblemLog(logger, f"path={self.path}")
@@ -203,9 +212,13 @@ class FileSource:
             raise
         return self._apply(read, compiled)
 
-    def poll(self) -> Catalog | None:
-        """One check, synchronously: the new catalog if the file changed and loads, else None."""
-        catalog = self._commit(self._check())
+    def poll(self, *, settle: bool = False) -> Catalog | None:
+        """One check, synchronously: the new catalog if the file changed and loads, else None.
+
+        ``settle``: as :meth:`watch` does, use content modified moments ago only once a second
+        poll finds the same bytes (see ``_check``).
+        """
+        catalog = self._commit(self._check(settle=settle))
         self._retired.clear()
         return catalog
 
@@ -213,7 +226,7 @@ class FileSource:
         """Poll every ``poll_interval`` seconds and publish each new catalog; runs until cancelled."""
         while True:
             # stat and read may block on slow file systems: keep them off the event loop.
-            outcome = await asyncio.to_thread(self._check)
+            outcome = await asyncio.to_thread(self._check, settle=True)
             catalog = self._commit(outcome)
             if catalog is not None:
                 publish(catalog)
@@ -226,8 +239,14 @@ class FileSource:
         """For ``/debug/state``: which file, and what keeps it from loading if anything does."""
         return {"kind": "file", "path": str(self.path), "lastError": self.last_error}
 
-    def _check(self) -> _Outcome:
-        """Look at the file; reads state but never changes it, so it can run in a worker thread."""
+    def _check(self, *, settle: bool = False) -> _Outcome:
+        """Look at the file; reads state but never changes it, so it can run in a worker thread.
+
+        With ``settle``, content modified moments ago (within the file system's clock tick) is
+        only used once the next poll finds the same bytes: a file read while it is being written
+        (not renamed into place) is cut short, and a cut that still parses would drop the objects
+        after it. Waiting one poll interval costs an edit that much delay, no more.
+        """
         try:
             stamp = _Stamp.of(os.stat(self.path))
             if stamp == self._stamp and self._trusted:
@@ -241,6 +260,8 @@ class FileSource:
             return read
         if self._rejected is not None and read.digest == self._rejected[0]:
             return _Failed(self._rejected[1], read)
+        if settle and read.racy and read.digest != self._settling:
+            return _Settling(read)
         try:
             with _collection_paused():
                 return read, compile_documents(read.data, self._valid, path=self.path)
@@ -262,6 +283,8 @@ class FileSource:
                 self._notify("unchanged")
         elif isinstance(outcome, _Failed):
             self._fail(outcome)
+        elif isinstance(outcome, _Settling):
+            self._settling = outcome.read.digest  # the stamp is not remembered: read again next poll
         elif outcome is not None:
             return self._apply(*outcome)
         return None

@@ -265,6 +265,36 @@ async def test_watch_picks_up_an_edit(catalog_file: Path) -> None:
     assert source.reloads_ok == 2
 
 
+def test_a_file_caught_mid_write_is_not_applied(catalog_file: Path) -> None:
+    """A write in progress (cut after the first documents: still valid YAML) is seen, but only
+    content found the same on two polls is used, so the objects after the cut are never dropped."""
+    source = source_for(catalog_file)
+    source.load()
+    docs = fixture_docs()
+    find(docs, "Service", "qwen-2-7b")["metadata"]["labels"] = {"edit": "1"}
+    full = yaml.safe_dump_all(docs, sort_keys=False)
+    cut = full[: full.index("\n---", len(full) // 3)] + "\n"  # whole documents only: it parses
+    catalog_file.write_text(cut)
+    assert source.poll(settle=True) is None  # first sight of fresh content
+    catalog_file.write_text(full)  # the writer finishes
+    assert source.poll(settle=True) is None  # other bytes: first sight again
+    catalog = source.poll(settle=True)
+    assert catalog is not None and sorted(catalog.worker_sets) == [LLAMA, QWEN]
+    assert source.reloads_ok == 2 and source.reloads_failed == 0
+
+
+def test_fresh_content_that_stays_is_applied_on_the_next_poll(catalog_file: Path) -> None:
+    source = source_for(catalog_file)
+    source.load()
+    docs = [
+        d for d in fixture_docs() if d["kind"] != "InferenceWorkerSet" or d["metadata"]["name"] != "qwen-2-7b"
+    ]
+    write(catalog_file, docs)
+    assert source.poll(settle=True) is None
+    catalog = source.poll(settle=True)
+    assert catalog is not None and sorted(catalog.worker_sets) == [LLAMA]
+
+
 async def test_reloads_leave_garbage_collection_working(catalog_file: Path) -> None:
     """Collection is paused while a file parses; afterwards cycles are collected again."""
     assert gc.isenabled()
