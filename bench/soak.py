@@ -73,6 +73,7 @@ class Tally:
         self.errors += 1
         if len(self.examples) < 5:
             self.examples.append(what[:200])
+            print(f"error at request {self.sent}: {what[:300]}", file=sys.stderr)
 
 
 def documents(seed: int) -> list[str]:
