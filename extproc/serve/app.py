@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import sys
 import time
 from typing import Any
 
@@ -38,6 +39,9 @@ from extproc.tasks import cancel_and_wait
 from extproc.telemetry import Metrics
 
 log = logging.getLogger(__name__)
+
+#: The GIL switch interval while prompts are tokenized in threads (seconds; Python's default: 0.005).
+TOKENIZING_SWITCH_INTERVAL = 0.001
 
 
 class Server:
@@ -86,6 +90,8 @@ class Server:
         self._watch: asyncio.Task[None] | None = None
         self._profile_poll: asyncio.Task[None] | None = None
         self._loop_lag: asyncio.Task[None] | None = None
+        #: The GIL switch interval before start changed it (restored by stop).
+        self._switch_interval: float | None = None
         self._started = time.time()
         #: Set by :meth:`drain`: health answers NOT_SERVING while streams are still served.
         self.draining = False
@@ -106,6 +112,11 @@ class Server:
             raise
         self._watch = asyncio.create_task(self.source.watch(self._publish), name="catalog-source")
         self._loop_lag = asyncio.create_task(watch_loop_lag(self.metrics.loop_lag), name="loop-lag")
+        if self.prefix.tokenize_pool is not None:
+            # A tokenizing thread rendering a template holds the GIL for up to the switch interval
+            # (5 ms by default) before the loop gets it back; every decision waits that long.
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(TOKENIZING_SWITCH_INTERVAL)
         self.prefix.start()
         self.discovery.start()
         if self.settings.scrape_interval > 0:
@@ -228,6 +239,9 @@ class Server:
         """Stop taking streams, let open ones finish for ``drain_seconds``, then close."""
         for task in (self._watch, self._profile_poll, self._loop_lag):
             await cancel_and_wait(task)
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
         if self._grpc is not None:
             await self._grpc.stop(grace=self.settings.drain_seconds)
         if self._admin is not None:
