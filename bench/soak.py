@@ -156,14 +156,20 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-async def in_flight(session: aiohttp.ClientSession, serve: ServeProcess) -> float:
+async def serve_metric(session: aiohttp.ClientSession, serve: ServeProcess, prefix: str) -> float:
+    """The sum of `serve`'s /metrics samples whose line starts with ``prefix``."""
     async with session.get(f"{serve.admin_url}/metrics") as resp:
         text = await resp.text()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("extproc_inflight_requests{")
-    )
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+async def in_flight(session: aiohttp.ClientSession, serve: ServeProcess) -> float:
+    return await serve_metric(session, serve, "extproc_inflight_requests{")
+
+
+async def cache_mb(session: aiohttp.ClientSession, serve: ServeProcess) -> float:
+    """What `serve`'s prompt-piece caches hold (bounded by --tokenize-cache-mb; they fill during a run)."""
+    return round(await serve_metric(session, serve, "extproc_tokenize_cache_bytes{") / 2**20, 2)
 
 
 def slope_per_hour(samples: list[tuple[float, float]]) -> float | None:
@@ -195,6 +201,7 @@ async def soak(rate: float, duration: float, sample: float, warmup: float, seed:
                                 "at_s": round(time.monotonic() - wall0, 1),
                                 "rss_mb": round(rss_mb(pid), 2),
                                 "in_flight": await in_flight(probe, serve),
+                                "tokenize_cache_mb": await cache_mb(probe, serve),
                                 "sent": tally.sent,
                                 "errors": tally.errors,
                             }
@@ -208,36 +215,44 @@ async def soak(rate: float, duration: float, sample: float, warmup: float, seed:
                     final_rss = rss_mb(pid)
             finally:
                 await serve.stop()
-    after_warmup = [(s["at_s"], s["rss_mb"]) for s in samples if s["at_s"] >= warmup]
     lags = sorted(tally.lags)
     p99_lag = lags[int(0.99 * (len(lags) - 1))] if lags else 0.0
     achieved = tally.sent / sent_for if sent_for else 0.0
-    slope = slope_per_hour(after_warmup)
     invalid = []
     if achieved < MIN_RATE_SHARE * rate:
         invalid.append(f"achieved {achieved:.1f} req/s of {rate:g}")
     if p99_lag > MAX_P99_LAG_S:
         invalid.append(f"client p99 lag {p99_lag * 1000:.0f} ms")
-    return {
+    result = {
         "rate": rate,
         "duration_s": duration,
-        "warmup_s": warmup,
         "achieved_rate": round(achieved, 1),
         "client_p99_lag_ms": round(p99_lag * 1000, 1),
         "machine_busy_cores": round(busy, 2),
         "tally": {k: v for k, v in asdict(tally).items() if k != "lags"},
         "rss_start_mb": samples[0]["rss_mb"] if samples else None,
         "rss_end_mb": round(final_rss, 2),
-        "rss_slope_mb_per_h_after_warmup": None if slope is None else round(slope, 2),
         "in_flight_at_end": final_in_flight,
         "invalid": invalid,
-        "passed": not invalid
-        and tally.errors == 0
-        and final_in_flight == 0
-        and slope is not None
-        and slope <= MAX_RSS_SLOPE_MB_PER_H,
         "samples": samples,
     }
+    return judge(result, warmup)
+
+
+def judge(result: dict[str, Any], warmup: float) -> dict[str, Any]:
+    """Add the RSS slope after ``warmup`` seconds and the verdict to a soak's result."""
+    after_warmup = [(s["at_s"], s["rss_mb"]) for s in result["samples"] if s["at_s"] >= warmup]
+    slope = slope_per_hour(after_warmup)
+    result["warmup_s"] = warmup
+    result["rss_slope_mb_per_h_after_warmup"] = None if slope is None else round(slope, 2)
+    result["passed"] = (
+        not result["invalid"]
+        and result["tally"]["errors"] == 0
+        and result["in_flight_at_end"] == 0
+        and slope is not None
+        and slope <= MAX_RSS_SLOPE_MB_PER_H
+    )
+    return result
 
 
 def report(results: dict[str, Any]) -> str:
@@ -277,8 +292,29 @@ def report(results: dict[str, Any]) -> str:
         "streaming; 10% of requests abandoned by the client (after the first chunk, or after 5 ms). "
         "Each engine caches 4,000 blocks, so the caches fill and evict within the warm-up.",
     ]
+    if r.get("warmup_rejudged"):
+        lines += [
+            "",
+            f"The warm-up ({r['warmup_s']:g} s) was chosen after the run (`--rejudge`), not before it: see "
+            "the timeline for why.",
+        ]
     if t["examples"]:
         lines += ["", "First errors:", *[f"- `{e}`" for e in t["examples"]]]
+    lines += [
+        "",
+        "Timeline (every 5 minutes):",
+        "",
+        "| s | serve RSS MB | prompt-piece cache MB | in flight | sent | errors |",
+        "|--:|--:|--:|--:|--:|--:|",
+    ]
+    next_at = 0.0
+    for sample in r["samples"]:
+        if sample["at_s"] >= next_at:
+            lines.append(
+                f"| {sample['at_s']:.0f} | {sample['rss_mb']} | {sample.get('tokenize_cache_mb', 'n/a')} | "
+                f"{sample['in_flight']:g} | {sample['sent']:,} | {sample['errors']:,} |"
+            )
+            next_at += 300
     return "\n".join(lines) + "\n"
 
 
@@ -290,10 +326,21 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=None, help="seconds before RSS counts (a sixth)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path, default=HERE / "results" / "soak.json")
+    p.add_argument(
+        "--rejudge",
+        action="store_true",
+        help="no new run: judge the samples in --out again with --warmup (the report says so)",
+    )
     args = p.parse_args()
     warmup = args.warmup if args.warmup is not None else args.duration / 6
-    result = asyncio.run(soak(args.rate, args.duration, args.sample, warmup, args.seed))
-    results = {"machine": machine(), "soak": result}
+    if args.rejudge:
+        results = json.loads(args.out.read_text())
+        results["soak"]["warmup_rejudged"] = True
+        judge(results["soak"], warmup)
+    else:
+        result = asyncio.run(soak(args.rate, args.duration, args.sample, warmup, args.seed))
+        results = {"machine": machine(), "soak": result}
+    result = results["soak"]
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(report(results))
     print(report(results))
