@@ -28,8 +28,8 @@ import tokenizers
 
 #: Pieces shorter than this are encoded each time (cheaper than remembering them).
 MIN_CACHED_CHARS = 32
-#: What one cached piece costs besides its text and ids (dict entry, objects).
-_ENTRY_OVERHEAD = 200
+#: What one cached piece costs besides its text and ids objects (its dict slot and order link).
+_ENTRY_OVERHEAD = 150
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,4 +140,4 @@ class SegmentCache:
 
 
 def _cost(piece: str, ids: array[int]) -> int:
-    return sys.getsizeof(piece) + ids.itemsize * len(ids) + _ENTRY_OVERHEAD
+    return sys.getsizeof(piece) + sys.getsizeof(ids) + _ENTRY_OVERHEAD
