@@ -30,7 +30,7 @@ from typing import Any
 
 import grpc
 from grpc_load import chat_body, one_stream, request_messages
-from machine import machine
+from machine import machine, provenance, record
 
 from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -123,8 +123,7 @@ def report(results: dict[str, Any]) -> str:
     lines = [
         "# Bursts of new ext_proc streams",
         "",
-        f"{m['date']}, commit {m['git_commit'][:12]}{' (dirty)' if m['git_dirty'] else ''}; "
-        f"{m['cpu_model']}, {m['cores']} cores; Python {m['python']}. One gRPC channel (one HTTP/2 "
+        f"{provenance(m)}. One gRPC channel (one HTTP/2 "
         "connection, as from one Envoy worker) opens every stream of a burst at once; `serve` and "
         "the client share the cores.",
         "",
@@ -151,9 +150,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=HERE / "results" / "burst.json")
     args = p.parse_args()
     results = asyncio.run(measure(args.before))
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(report(results))
-    print(report(results))
+    record(args.out, results, report)
 
 
 if __name__ == "__main__":

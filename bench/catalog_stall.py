@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from machine import machine
+from machine import machine, provenance, record
 
 from extproc.demo.catalog import LocalWorkerSet, catalog_documents
 from extproc.serve.app import Server
@@ -159,9 +159,7 @@ def report(results: dict[str, Any]) -> str:
     lines = [
         "# Catalog edits and the event loop",
         "",
-        f"{m['date']}, commit {m['git_commit'][:12]}{' (dirty)' if m['git_dirty'] else ''}; "
-        f"{m['cpu_model']}, {m['cores']} cores. The target (issue 14): no edit stalls decisions for "
-        "more than 50 ms.",
+        f"{provenance(m)}. The target (issue 14): no edit stalls decisions for more than 50 ms.",
         "",
         "| file | bytes | judged after s | worst loop lag ms | catalog replaced | routed sets after "
         "| peak RSS growth MB |",
@@ -189,9 +187,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=HERE / "results" / "catalog_stall.json")
     args = p.parse_args()
     results = asyncio.run(measure(args.services))
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(report(results))
-    print(report(results))
+    record(args.out, results, report)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from machine import machine
+from machine import machine, provenance, record
 from stack import MODEL, ServeProcess, SimEngine, engines_started, gateway, write_catalog
 
 from extproc.gateway.process import EnvoyProcess
@@ -216,8 +216,7 @@ def report(results: dict[str, Any]) -> str:
     lines = [
         "# A dying engine, through real Envoy",
         "",
-        f"{m['date']}, commit {m['git_commit'][:12]}{' (dirty)' if m['git_dirty'] else ''}; "
-        f"{m['cpu_model']}, {m['cores']} cores; Python {m['python']}. {ENGINES} simulated engines "
+        f"{provenance(m)}. {ENGINES} simulated engines "
         f"(one process each), `serve` (precise prefix routing, default 1 s scrape), Envoy and "
         f"{CLIENTS} closed-loop clients share the cores on loopback. The engine holding the most "
         f"cached blocks gets SIGKILL after {WARMUP_S:g} s; it is started again {DOWN_S:g} s later.",
@@ -268,9 +267,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=HERE / "results" / "dead_engine.json")
     out = p.parse_args().out
     results = asyncio.run(measure())
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    out.with_suffix(".md").write_text(report(results))
-    print(report(results))
+    record(out, results, report)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import tempfile
@@ -29,7 +28,7 @@ from typing import Any
 import aiohttp
 import grpc
 import orjson
-from machine import machine
+from machine import machine, provenance, record
 
 from extproc.demo.backends import Backend
 from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
@@ -336,8 +335,7 @@ def report(results: dict[str, Any]) -> str:
     lines = [
         "# Fuzz: malformed and adversarial ext_proc streams",
         "",
-        f"{m['date']}, commit {m['git_commit'][:12]}{' (dirty)' if m['git_dirty'] else ''}; "
-        f"{m['cpu_model']}, {m['cores']} cores; seed {results['seed']}.",
+        f"{provenance(m)}; seed {results['seed']}.",
         "",
         f"- **Straight to the gRPC port**: {sum(results['grpc'].values()):,} streams in "
         f"{results['grpc_seconds']} s; answers that were 500 or a gRPC UNKNOWN/INTERNAL: **{grpc_bugs}**; "
@@ -370,9 +368,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=HERE / "results" / "fuzz.json")
     args = p.parse_args()
     results = asyncio.run(measure(args.streams, args.http, args.seed))
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(report(results))
-    print(report(results))
+    record(args.out, results, report)
 
 
 if __name__ == "__main__":

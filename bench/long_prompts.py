@@ -43,7 +43,7 @@ import grpc
 import orjson
 import tokenizers
 from grpc_load import chat_body, closed_loop, one_stream, request_messages
-from machine import machine
+from machine import machine, provenance, record
 from stack import wait_http
 
 from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
@@ -321,8 +321,7 @@ def report(results: dict[str, Any]) -> str:
     lines = [
         "# Long prompts against short ones (real Llama 3 tokenizer)",
         "",
-        f"{m['date']}, commit {m['git_commit'][:12]}{' (dirty)' if m['git_dirty'] else ''}; "
-        f"{m['cpu_model']}, {m['cores']} cores; Python {m['python']}. `serve` and the gRPC load client "
+        f"{provenance(m)}. `serve` and the gRPC load client "
         f"share the cores; {results['seconds']:g} s per closed-loop measure, {STREAMS} streams.",
         "",
         "| measure | target | " + " | ".join(names) + " |",
@@ -391,9 +390,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     results = asyncio.run(run(args.seconds))
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(report(results))
-    print(report(results))
+    record(args.out, results, report)
 
 
 if __name__ == "__main__":

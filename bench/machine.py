@@ -7,9 +7,11 @@ starts with this description (CPU, cores, Python, load, commit).
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +50,18 @@ def machine_busy_seconds() -> float:
     with open("/proc/stat", encoding="ascii") as f:
         ticks = [int(x) for x in f.readline().split()[1:8]]
     return (sum(ticks) - ticks[3] - ticks[4]) / _CLK_TCK
+
+
+def provenance(m: dict[str, Any]) -> str:
+    """Where a report's numbers come from, for its first line: date, commit, CPU, cores, Python."""
+    dirty = " (dirty)" if m["git_dirty"] else ""
+    where = f"{m['cpu_model']}, {m['cores']} cores; Python {m['python']}"
+    return f"{m['date']}, commit {m['git_commit'][:12]}{dirty}; {where}"
+
+
+def record(out: Path, results: dict[str, Any], report: Callable[[dict[str, Any]], str]) -> None:
+    """Write ``results`` to ``out`` (JSON) and its report next to it (``.md``), and print the report."""
+    text = report(results)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    out.with_suffix(".md").write_text(text)
+    print(text)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from machine import machine
+from machine import machine, provenance, record
 
 from extproc.demo.backends import Backend
 from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
@@ -277,9 +277,7 @@ def report(results: dict[str, Any]) -> str:
     lines = [
         "# Restarts: what `serve` going away costs clients (through real Envoy)",
         "",
-        f"{m['date']}, commit {m['git_commit'][:12]}{' (dirty)' if m['git_dirty'] else ''}; "
-        f"{m['cpu_model']}, {m['cores']} cores; Python {m['python']}. Envoy, `serve`, the fake backend "
-        "and the clients share the cores on loopback.",
+        f"{provenance(m)}. Envoy, `serve`, the fake backend and the clients share the cores on loopback.",
         "",
         "## 1. `serve` SIGKILLed while a response streams (40 chunks, killed after 3)",
         "",
@@ -325,16 +323,10 @@ async def measure() -> dict[str, Any]:
     return results
 
 
-def write(out: Path, results: dict[str, Any]) -> None:
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    out.with_suffix(".md").write_text(report(results))
-    print(report(results))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=HERE / "results" / "restarts.json")
-    write(p.parse_args().out, asyncio.run(measure()))
+    record(p.parse_args().out, asyncio.run(measure()), report)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from machine import machine, machine_busy_seconds
+from machine import machine, machine_busy_seconds, provenance, record
 from stack import MODEL, ServeProcess, engines_started, gateway, write_catalog
 
 from extproc.gateway.process import EnvoyProcess
@@ -266,8 +266,7 @@ def report(results: dict[str, Any]) -> str:
     lines = [
         "# Soak: `serve` behind Envoy under steady load",
         "",
-        f"{m['date']}, commit {m['git_commit'][:12]}{' (dirty)' if m['git_dirty'] else ''}; "
-        f"{m['cpu_model']}, {m['cores']} cores; Python {m['python']}. {ENGINES} simulated engines, "
+        f"{provenance(m)}. {ENGINES} simulated engines, "
         "`serve` (precise prefix routing), Envoy (`gateway.yaml`, FULL_DUPLEX_STREAMED) and the client "
         "share the cores on loopback.",
         "",
@@ -341,9 +340,7 @@ def main() -> None:
         result = asyncio.run(soak(args.rate, args.duration, args.sample, warmup, args.seed))
         results = {"machine": machine(), "soak": result}
     result = results["soak"]
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(report(results))
-    print(report(results))
+    record(args.out, results, report)
     sys.exit(0 if result["passed"] else 1)
 
 
