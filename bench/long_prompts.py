@@ -36,7 +36,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import aiohttp
 import grpc
@@ -44,7 +44,7 @@ import orjson
 import tokenizers
 from grpc_load import chat_body, closed_loop, one_stream, request_messages
 from machine import machine, provenance, record
-from stack import wait_http
+from stack import ServeProcess
 
 from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -132,21 +132,6 @@ class Turns:
 def cold_body(texts: Texts, tokens: int) -> bytes:
     messages = [{"role": "user", "content": texts.of(tokens)}]
     return orjson.dumps({"model": MODEL, "messages": messages, "max_tokens": 64})
-
-
-async def start_serve(
-    catalog: Path, tokenizer_dir: Path, extra: list[str], log: IO[bytes]
-) -> tuple[asyncio.subprocess.Process, int, int]:
-    grpc_port, admin_port = free_port(), free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "extproc", "--log-level", "warning", "serve",
-        "--source", f"file:{catalog}", "--listen", f"127.0.0.1:{grpc_port}",
-        "--admin-listen", f"127.0.0.1:{admin_port}", "--scrape-interval", "0",
-        "--tokenizer", f"{MODEL}={tokenizer_dir}", *extra,
-        stdout=asyncio.subprocess.DEVNULL, stderr=log,
-    )  # fmt: skip
-    await wait_http(f"http://127.0.0.1:{admin_port}/readyz")
-    return proc, grpc_port, admin_port
 
 
 async def loop_lag(admin_port: int) -> dict[str, float]:
@@ -298,17 +283,23 @@ async def run(seconds: float) -> dict[str, Any]:
         catalog.write_text(catalog_yaml([LocalWorkerSet("bench", MODEL, endpoints, kv_ports=kv_ports)]))
         for variant, extra in VARIANTS.items():
             with open(Path(tmp) / f"serve-{variant}.log", "wb") as log:  # noqa: ASYNC230 (local, instant)
-                proc, grpc_port, admin_port = await start_serve(catalog, tokenizer_dir, extra, log)
+                serve = ServeProcess(
+                    catalog,
+                    extra_args=("--scrape-interval", "0", *extra),
+                    log=log,
+                    tokenizer=f"{MODEL}={tokenizer_dir}",
+                )
+                await serve.start()
+            admin_port = serve.admin_port
             try:
                 before = await loop_lag(admin_port)
                 measured = await measure_variant(
-                    f"127.0.0.1:{grpc_port}", admin_port, texts, seconds, backend
+                    f"127.0.0.1:{serve.grpc_port}", admin_port, texts, seconds, backend
                 )
                 measured["fallbacks"] = await metric_values(admin_port, "extproc_tokenize_fallbacks_total")
                 measured["loop_lag"] = lag_summary(before, await loop_lag(admin_port))
             finally:
-                proc.terminate()
-                await proc.wait()
+                await serve.stop()
             measured["ratios"] = ratios(measured)
             results["variants"][variant] = measured
             print(variant, json.dumps(measured["ratios"]), file=sys.stderr)

@@ -64,11 +64,13 @@ class SimEngine:
 
 @dataclass(slots=True)
 class ServeProcess:
-    """``extproc serve`` on the catalog file, routing precisely (the simulator's tokenizer)."""
+    """``extproc serve`` on the catalog file, routing precisely (a tokenizer for the model)."""
 
     catalog: Path
     extra_args: Sequence[str] = ()
     log: IO[bytes] | None = None
+    #: ``--tokenizer MODEL=SOURCE``: the simulator's own by default, so routing is precise.
+    tokenizer: str = f"{MODEL}=extproc:tiny"
     grpc_port: int = field(default_factory=free_port)
     admin_port: int = field(default_factory=free_port)
     proc: asyncio.subprocess.Process | None = None
@@ -82,7 +84,7 @@ class ServeProcess:
             sys.executable, "-m", "extproc", "--log-level", "warning", "serve",
             "--source", f"file:{self.catalog}", "--listen", f"127.0.0.1:{self.grpc_port}",
             "--admin-listen", f"127.0.0.1:{self.admin_port}",
-            "--tokenizer", f"{MODEL}=extproc:tiny", *self.extra_args,
+            "--tokenizer", self.tokenizer, *self.extra_args,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=self.log if self.log is not None else asyncio.subprocess.DEVNULL,
         )  # fmt: skip
