@@ -347,12 +347,12 @@ class KVEventSubscriber:
         first = replayed[0] if replayed else None
         if first is None:
             self._reset(f"publisher restarted (its replay buffer no longer holds seq {ask})")
-        elif first.seq == ask and first.digest != self._anchor:
+        elif first.seq != ask:
+            return  # inconclusive: the next live message is verified as before
+        elif first.digest != self._anchor:
             self._reset(f"publisher restarted (replayed seq {ask} differs from the one delivered)")
-        elif first.seq == ask:
-            self._verify_next = False  # the same engine: its next message needs no second check
-            return
         else:
+            self._verify_next = False  # the same engine: its next message needs no second check
             return
         await self._join_from_replay(self.replay_address)
 
