@@ -25,7 +25,7 @@ from tokenizers import processors
 
 from extproc.tokenize.chat_template import ChatTemplate
 from extproc.tokenize.errors import ChatTemplateLoadError, TokenIdError, TokenizerError
-from extproc.tokenize.segments import SegmentCache, splitter_for
+from extproc.tokenize.segments import SegmentCache, Splitter, splitter_for
 
 # transformers' clean_up_tokenization: undo the spaces a word-level detokenizer put before punctuation.
 _CLEANUPS = (
@@ -78,8 +78,9 @@ class Tokenizer:
             i for i, t in backend.get_added_tokens_decoder().items() if t.special
         )
         self._compiled: dict[str, ChatTemplate] = {}
-        self._splitter = splitter_for(backend)
-        #: Set by :meth:`enable_segment_cache`: the ids of prompt pieces seen before.
+        #: Set by :meth:`enable_segment_cache` (only serve uses it): where prompts are cut, and the
+        #: ids of pieces seen before.
+        self._splitter: Splitter | None = None
         self.segment_cache: SegmentCache | None = None
 
     # --- loading ---------------------------------------------------------------------------------
@@ -141,9 +142,10 @@ class Tokenizer:
         """Encode incrementally from now on (see :mod:`extproc.tokenize.segments`), remembering up
         to ``max_bytes`` of pieces; False (and nothing changes) when this tokenizer's added tokens
         do not allow it exactly."""
-        if self._splitter is None:
+        splitter = splitter_for(self._backend)
+        if splitter is None:
             return False
-        self.segment_cache = SegmentCache(max_bytes)
+        self._splitter, self.segment_cache = splitter, SegmentCache(max_bytes)
         return True
 
     def _encode_pieces(self, pieces: list[str]) -> list[list[int]]:
