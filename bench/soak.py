@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -180,12 +181,29 @@ def slope_per_hour(samples: list[tuple[float, float]]) -> float | None:
     return statistics.linear_regression(xs, ys).slope * 3600
 
 
-async def soak(rate: float, duration: float, sample: float, warmup: float, seed: int) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """How the soak runs serve: extra flags, and optionally under the memory tracer."""
+
+    extra_args: tuple[str, ...] = ()
+    memtrace: Path | None = None
+    #: Where serve's log goes (warnings and errors); nowhere by default.
+    log: Path | None = None
+
+
+async def soak(
+    rate: float, duration: float, sample: float, warmup: float, seed: int, serving: Serving
+) -> dict[str, Any]:
     tally = Tally()
     samples: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="extproc-soak-") as tmp:
         async with engines_started(ENGINES, ENGINE_ARGS) as engines:
-            serve = ServeProcess(write_catalog(Path(tmp) / "catalog.yaml", engines))
+            log = serving.log.open("wb") if serving.log is not None else None
+            serve = ServeProcess(write_catalog(Path(tmp) / "catalog.yaml", engines), serving.extra_args, log)
+            if serving.memtrace is not None:
+                serving.memtrace.mkdir(parents=True, exist_ok=True)
+                os.environ["EXTPROC_MEMTRACE_DIR"] = str(serving.memtrace)
+                serve.launcher = (str(HERE / "memtrace.py"),)
             await serve.start()
             try:
                 config, listen, _ = gateway("gateway.yaml", serve, engines)
@@ -234,6 +252,8 @@ async def soak(rate: float, duration: float, sample: float, warmup: float, seed:
         "rss_end_mb": round(final_rss, 2),
         "in_flight_at_end": final_in_flight,
         "invalid": invalid,
+        "serve_args": list(serving.extra_args),
+        "memtrace": serving.memtrace is not None,
         "samples": samples,
     }
     return judge(result, warmup)
@@ -326,6 +346,18 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path, default=HERE / "results" / "soak.json")
     p.add_argument(
+        "--serve-arg", action="append", default=[], help="an extra flag for serve (repeat for more)"
+    )
+    p.add_argument(
+        "--memtrace",
+        type=Path,
+        default=None,
+        help="run serve under bench/memtrace.py, writing DIR/memtrace.jsonl (slows serve; a diagnosis aid)",
+    )
+    p.add_argument(
+        "--serve-log", type=Path, default=None, help="write serve's warnings and errors to this file"
+    )
+    p.add_argument(
         "--rejudge",
         action="store_true",
         help="no new run: judge the samples in --out again with --warmup (the report says so)",
@@ -337,7 +369,8 @@ def main() -> None:
         results["soak"]["warmup_rejudged"] = True
         judge(results["soak"], warmup)
     else:
-        result = asyncio.run(soak(args.rate, args.duration, args.sample, warmup, args.seed))
+        serve_args = Serving(tuple(args.serve_arg), args.memtrace, args.serve_log)
+        result = asyncio.run(soak(args.rate, args.duration, args.sample, warmup, args.seed, serve_args))
         results = {"machine": machine(), "soak": result}
     result = results["soak"]
     record(args.out, results, report)

@@ -71,6 +71,8 @@ class ServeProcess:
     log: IO[bytes] | None = None
     #: ``--tokenizer MODEL=SOURCE``: the simulator's own by default, so routing is precise.
     tokenizer: str = f"{MODEL}=extproc:tiny"
+    #: How Python runs it: ``-m extproc``, or a script that wraps it (bench/memtrace.py).
+    launcher: Sequence[str] = ("-m", "extproc")
     grpc_port: int = field(default_factory=free_port)
     admin_port: int = field(default_factory=free_port)
     proc: asyncio.subprocess.Process | None = None
@@ -81,7 +83,7 @@ class ServeProcess:
 
     async def start(self) -> None:
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "extproc", "--log-level", "warning", "serve",
+            sys.executable, *self.launcher, "--log-level", "warning", "serve",
             "--source", f"file:{self.catalog}", "--listen", f"127.0.0.1:{self.grpc_port}",
             "--admin-listen", f"127.0.0.1:{self.admin_port}",
             "--tokenizer", self.tokenizer, *self.extra_args,

@@ -286,3 +286,23 @@ async def test_gateway_subset_hint_is_honoured(routed_gateway: RoutedFactory, bo
             assert status == 200, answer
             served[answer["x_backend"]["address"]] += 1
     assert set(served) == {b.address for b in gw.llama[1:]}
+
+
+async def test_more_concurrent_streams_than_envoys_default_circuit_breakers(
+    routed_gateway: RoutedFactory,
+) -> None:
+    """1,100 responses streaming at once all get through: past Envoy's default of 1,024 requests per
+    cluster, which every request in flight holds twice (its accounting stream and its pod)."""
+    gw = await routed_gateway()
+    streams = 1_100
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        opened = [await slow_stream(s, gw.url, "chat", chunks=2_000).__aenter__() for _ in range(streams)]
+        try:
+            statuses = Counter(r.status for r in opened)
+            assert statuses == {200: streams}, statuses
+            await eventually(lambda: gw.server.inflight.total == streams, within=30)
+        finally:
+            for r in opened:
+                r.close()
+    await eventually(lambda: gw.server.inflight.total == 0, within=30)
