@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -196,8 +198,39 @@ async def precise_share(admin_port: int, measure: Awaitable[dict[str, Any]]) -> 
     return result
 
 
+class Profiler:
+    """py-spy on serve around a measure, when asked (``--profile DIR``): DIR/<variant>-<measure>.txt
+    holds its collapsed stacks (``py-spy`` must be on PATH; ``pip install py-spy``)."""
+
+    def __init__(self, out_dir: Path | None, variant: str, pid: int) -> None:
+        self.out_dir, self.variant, self.pid = out_dir, variant, pid
+
+    @contextlib.asynccontextmanager
+    async def around(self, measure: str) -> AsyncIterator[None]:
+        if self.out_dir is None:
+            yield
+            return
+        out = self.out_dir / f"{self.variant}-{measure}.txt"
+        spy = await asyncio.create_subprocess_exec(
+            "py-spy", "record", "--pid", str(self.pid), "--format", "raw", "--rate", "200",
+            "--nonblocking", "--threads", "--output", str(out),
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        await asyncio.sleep(0.5)  # attached
+        try:
+            yield
+        finally:
+            spy.send_signal(signal.SIGINT)
+            await spy.wait()
+
+
 async def measure_variant(
-    target: str, admin_port: int, texts: Texts, seconds: float, backend: tokenizers.Tokenizer
+    target: str,
+    admin_port: int,
+    texts: Texts,
+    seconds: float,
+    backend: tokenizers.Tokenizer,
+    profiler: Profiler,
 ) -> dict[str, Any]:
     options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
     out: dict[str, Any] = {}
@@ -212,9 +245,10 @@ async def measure_variant(
 
         for name, tokens in (("conversations_8k", 8_000), ("conversations_32k", 32_000)):
             turns = Turns(send, [Conversation(texts, tokens) for _ in range(STREAMS)])
-            out[name] = await precise_share(
-                admin_port, closed_loop(turns.next, concurrency=STREAMS, duration=seconds, warmup=0.5)
-            )
+            async with profiler.around(name):
+                out[name] = await precise_share(
+                    admin_port, closed_loop(turns.next, concurrency=STREAMS, duration=seconds, warmup=0.5)
+                )
 
         cold = [cold_body(texts, 8_000) for _ in range(4000)]
         bodies = iter(cold)
@@ -241,11 +275,12 @@ async def measure_variant(
             while not stop.is_set():
                 await send(cold_body(texts, 32_000))
 
-        background = asyncio.create_task(long_stream())
-        await asyncio.sleep(0.5)
-        beside = await latencies(lambda: send(small), 200)
-        stop.set()
-        await background
+        async with profiler.around("stall"):
+            background = asyncio.create_task(long_stream())
+            await asyncio.sleep(0.5)
+            beside = await latencies(lambda: send(small), 200)
+            stop.set()
+            await background
         out["stall"] = {"p99_alone_ms": p(alone, 0.99) * 1e3, "p99_beside_32k_ms": p(beside, 0.99) * 1e3}
 
         conversation = Conversation(texts, 8_000)
@@ -271,7 +306,7 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
     }
 
 
-async def run(seconds: float) -> dict[str, Any]:
+async def run(seconds: float, variants: list[str], profile: Path | None) -> dict[str, Any]:
     tokenizer_dir = ensure("llama3")
     backend = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     texts = Texts(backend, seed=13)
@@ -281,7 +316,8 @@ async def run(seconds: float) -> dict[str, Any]:
         endpoints = [f"127.0.0.{i}:{free_port()}" for i in range(1, 9)]
         kv_ports = {e: (free_port(), free_port()) for e in endpoints}
         catalog.write_text(catalog_yaml([LocalWorkerSet("bench", MODEL, endpoints, kv_ports=kv_ports)]))
-        for variant, extra in VARIANTS.items():
+        for variant in variants:
+            extra = VARIANTS[variant]
             with open(Path(tmp) / f"serve-{variant}.log", "wb") as log:  # noqa: ASYNC230 (local, instant)
                 serve = ServeProcess(
                     catalog,
@@ -293,8 +329,14 @@ async def run(seconds: float) -> dict[str, Any]:
             admin_port = serve.admin_port
             try:
                 before = await loop_lag(admin_port)
+                assert serve.proc is not None
                 measured = await measure_variant(
-                    f"127.0.0.1:{serve.grpc_port}", admin_port, texts, seconds, backend
+                    f"127.0.0.1:{serve.grpc_port}",
+                    admin_port,
+                    texts,
+                    seconds,
+                    backend,
+                    Profiler(profile, variant, serve.proc.pid),
                 )
                 measured["fallbacks"] = await metric_values(admin_port, "extproc_tokenize_fallbacks_total")
                 measured["loop_lag"] = lag_summary(before, await loop_lag(admin_port))
@@ -378,9 +420,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each closed-loop measure")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "long_prompts.json")
+    parser.add_argument("--variant", action="append", choices=list(VARIANTS), help="only these (all)")
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="py-spy serve during some measures, into this directory"
+    )
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    results = asyncio.run(run(args.seconds))
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    results = asyncio.run(run(args.seconds, args.variant or list(VARIANTS), args.profile))
     record(args.out, results, report)
 
 

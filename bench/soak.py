@@ -230,6 +230,10 @@ async def soak(
                     busy = (machine_busy_seconds() - busy0) / (time.monotonic() - wall0)
                     await asyncio.sleep(1.0)  # the accounting streams' last closes
                     final_in_flight = await in_flight(probe, serve)
+                    streams_ended = {
+                        how: await serve_metric(probe, serve, f'extproc_streams_ended_total{{how="{how}"')
+                        for how in ("closed", "cancelled")
+                    }
                     final_rss = rss_mb(pid)
             finally:
                 await serve.stop()
@@ -251,6 +255,7 @@ async def soak(
         "rss_start_mb": samples[0]["rss_mb"] if samples else None,
         "rss_end_mb": round(final_rss, 2),
         "in_flight_at_end": final_in_flight,
+        "streams_ended": streams_ended,
         "invalid": invalid,
         "serve_args": list(serving.extra_args),
         "memtrace": serving.memtrace is not None,
@@ -259,8 +264,20 @@ async def soak(
     return judge(result, warmup)
 
 
+def caches_full_at(samples: list[dict[str, Any]]) -> float:
+    """When serve's prompt-piece cache reached its bound: the first sample holding 95% of the most it
+    ever held (0 without one). Filling a bounded cache is warm-up; growth after that is not."""
+    held = [(s["at_s"], s.get("tokenize_cache_mb") or 0.0) for s in samples]
+    most = max((mb for _, mb in held), default=0.0)
+    return next((at for at, mb in held if most and mb >= 0.95 * most), 0.0)
+
+
 def judge(result: dict[str, Any], warmup: float) -> dict[str, Any]:
-    """Add the RSS slope after ``warmup`` seconds and the verdict to a soak's result."""
+    """Add the RSS slope after the warm-up and the verdict to a soak's result.
+
+    The warm-up lasts ``warmup`` seconds, or until the prompt-piece cache is full if that is later.
+    """
+    warmup = max(warmup, caches_full_at(result["samples"]))
     after_warmup = [(s["at_s"], s["rss_mb"]) for s in result["samples"] if s["at_s"] >= warmup]
     slope = slope_per_hour(after_warmup)
     result["warmup_s"] = warmup
@@ -306,6 +323,19 @@ def report(results: dict[str, Any]) -> str:
         f"| serve RSS start -> end | {r['rss_start_mb']} -> {r['rss_end_mb']} MB |",
         f"| RSS slope after warm-up | {r['rss_slope_mb_per_h_after_warmup']} MB/h |",
         f"| in flight at the end | {r['in_flight_at_end']:g} |",
+        *(
+            [
+                "| ext_proc streams closed / reset by Envoy | "
+                f"{r['streams_ended']['closed']:,.0f} / {r['streams_ended']['cancelled']:,.0f} |"
+            ]
+            if "streams_ended" in r
+            else []
+        ),
+        f"| serve's extra flags | {' '.join(r.get('serve_args') or []) or 'none'} |",
+        "",
+        "Warm-up: the first sixth of the run, or until serve's prompt-piece cache (bounded by "
+        "`--tokenize-cache-mb`, 64 MiB by default) is full, whichever is later. RSS slope: least "
+        "squares over the samples after it.",
         "",
         "Mix: half short chats, half ~4k-token prompts over 8 long documents (repeating prefixes), half "
         "streaming; 10% of requests abandoned by the client (after the first chunk, or after 5 ms). "

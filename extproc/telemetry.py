@@ -76,6 +76,13 @@ class Metrics:
         self.streams = Gauge(
             "extproc_streams_active", "Open ext_proc streams (one per HTTP request).", registry=self.registry
         )
+        self.streams_ended = Counter(
+            "extproc_streams_ended",
+            "ext_proc streams by kind (routing, accounting, none: no message came) and how they ended: "
+            "closed (Envoy half-closed, or we ended it), cancelled (Envoy reset it).",
+            ["kind", "how"],
+            registry=self.registry,
+        )
         self.buffered_bytes = Gauge(
             "extproc_buffered_body_bytes",
             "Request-body bytes held by streams waiting for their last chunk (see --max-buffered-bytes).",

@@ -7,6 +7,7 @@ observability mode, accounting (:mod:`.accounting`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -57,6 +58,7 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
     ) -> AsyncIterator[ep.ProcessingResponse]:
         stream: RequestStream | AccountingStream | None = None
         self._metrics.streams.inc()
+        how = "closed"
         try:
             async for request in request_iterator:
                 if stream is None:
@@ -73,6 +75,8 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                     return
                 for response in responses:
                     yield response
+                if isinstance(stream, RequestStream) and stream.finished:
+                    return  # ended by us, gracefully (see RequestStream.finished)
         except DecodeError:
             # Not a ProcessingRequest at all (raised by the iterator): Envoy never sends one, so
             # whoever did gets a gRPC error naming the problem, counted, logged once a minute.
@@ -82,7 +86,11 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "not an envoy.service.ext_proc.v3.ProcessingRequest"
             )
+        except asyncio.CancelledError:
+            how = "cancelled"
+            raise
         finally:
+            self._metrics.streams_ended.labels(_kind(stream), how).inc()
             if stream is not None:
                 stream.close()
             self._metrics.streams.dec()
@@ -98,3 +106,9 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
             budget=self._budget,
             decision_headers=self._decision_headers,
         )
+
+
+def _kind(stream: RequestStream | AccountingStream | None) -> str:
+    if stream is None:
+        return "none"  # no message came
+    return "accounting" if isinstance(stream, AccountingStream) else "routing"
