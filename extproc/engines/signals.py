@@ -1,19 +1,28 @@
-"""Turn one vLLM ``/metrics`` page (Prometheus text exposition) into the load signals the router uses.
+"""Turn one engine ``/metrics`` page (Prometheus text exposition) into the load signals the router uses.
 
+Two engines' names are read, vLLM's (``vllm:``) and SGLang's (``sglang:``), whichever the page has.
 Only a handful of series matter for scheduling (running and waiting requests, KV-cache usage, the
 prefix-cache counters), so lines are filtered by metric name before any parsing: an engine exposing
 hundreds of histogram buckets costs a string prefix check per line, and a line we cannot read only
-matters if it is one of ours. Each kept line is parsed by ``prometheus_client`` (it accepts vLLM's
+matters if it is one of ours. Each kept line is parsed by ``prometheus_client`` (it accepts
 ``vllm:`` names, escaped label values, NaN and +Inf), one line at a time, so one bad line drops that
 sample rather than the whole page.
 
-vLLM labels every series with ``model_name`` and ``engine`` (the data-parallel rank as a string). A pod
-with DP ranks exposes one sample per rank: counts and counters are summed over ranks, usage is the
-fullest rank's (a request lands on one rank; the fullest one is the one that preempts first).
+Data-parallel ranks: vLLM labels every series with ``engine`` (the rank as a string), SGLang with
+``dp_rank`` when it runs several. Counts and counters are summed over ranks; usage is the fullest
+rank's (a request lands on one rank; the fullest one is the one that preempts first). SGLang may
+export one copy of a scheduler gauge per tensor- or pipeline-parallel rank
+(``--enable-metrics-for-all-schedulers``): copies within one DP rank count once (the largest).
 
-Old names (vLLM <= 0.11) are used only when the new name is absent from the page:
+vLLM's old names (<= 0.11) are used only when the new name is absent from the page:
 ``vllm:gpu_cache_usage_perc`` for ``vllm:kv_cache_usage_perc`` and
 ``vllm:gpu_prefix_cache_{queries,hits}`` for ``vllm:prefix_cache_{queries,hits}``.
+
+SGLang's equivalents (0.5): ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
+``sglang:token_usage`` (the fullest memory pool's usage), and the counters
+``sglang:prompt_tokens_total`` and ``sglang:cached_tokens_total`` (prompt tokens served from the
+cache; only ``cache_source="device"``, the GPU, counts as a hit, as vLLM's counter counts).
+Under OpenMetrics SGLang's names read ``sglang_...``; both spellings are accepted.
 """
 
 from __future__ import annotations
@@ -35,23 +44,40 @@ PREFIX_QUERIES_OLD = "vllm:gpu_prefix_cache_queries"
 PREFIX_HITS = "vllm:prefix_cache_hits"
 PREFIX_HITS_OLD = "vllm:gpu_prefix_cache_hits"
 
-_GAUGES = (RUNNING, WAITING, KV_USAGE, KV_USAGE_OLD)
-_COUNTERS = (PREFIX_QUERIES, PREFIX_QUERIES_OLD, PREFIX_HITS, PREFIX_HITS_OLD)
+SGLANG_RUNNING = "sglang:num_running_reqs"
+SGLANG_WAITING = "sglang:num_queue_reqs"
+SGLANG_KV_USAGE = "sglang:token_usage"
+SGLANG_PROMPT_TOKENS = "sglang:prompt_tokens"
+SGLANG_CACHED_TOKENS = "sglang:cached_tokens"
+
+_GAUGES = (RUNNING, WAITING, KV_USAGE, KV_USAGE_OLD, SGLANG_RUNNING, SGLANG_WAITING, SGLANG_KV_USAGE)
+_COUNTERS = (
+    *(PREFIX_QUERIES, PREFIX_QUERIES_OLD, PREFIX_HITS, PREFIX_HITS_OLD),
+    *(SGLANG_PROMPT_TOKENS, SGLANG_CACHED_TOKENS),
+)
 
 #: Exposed sample name -> the family it belongs to. ``prometheus_client`` exposes counters with a
-#: ``_total`` suffix; OpenMetrics-less exporters may not, so both spellings are accepted.
+#: ``_total`` suffix; OpenMetrics-less exporters may not, so both spellings are accepted, and
+#: SGLang's ``sglang:`` names may read ``sglang_`` (OpenMetrics has no colons).
 _WANTED: dict[str, str] = {name: name for name in _GAUGES}
 _WANTED.update({f"{name}_total": name for name in _COUNTERS})
 _WANTED.update({name: name for name in _COUNTERS})
+_WANTED.update({name.replace("sglang:", "sglang_"): family for name, family in list(_WANTED.items())})
+
+#: The label naming a sample's data-parallel rank, per engine.
+_RANK_LABELS = ("engine", "dp_rank")
+#: Labels telling copies of one rank's series apart (SGLang, one per TP/PP rank when asked).
+_COPY_LABELS = ("tp_rank", "pp_rank")
 
 
 class MetricsParseError(ValueError):
-    """The page holds none of the engine series we schedule on (not vLLM, or not a metrics page)."""
+    """The page holds none of the engine series we schedule on (not vLLM or SGLang, or no metrics page)."""
 
 
 @dataclass(slots=True)
 class _Samples:
-    values: dict[str, list[float]] = field(default_factory=dict)
+    #: family -> (DP rank, copy) -> the sum of its samples.
+    values: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)
     engines: set[str] = field(default_factory=set)
     models: set[str] = field(default_factory=set)
     bad_lines: int = 0
@@ -61,6 +87,16 @@ class _Samples:
         self.bad_lines += 1
         if self.first_problem is None:
             self.first_problem = message
+
+    def per_rank(self, family: str) -> list[float] | None:
+        """The family's value on each DP rank (copies of one rank count once: the largest)."""
+        by_copy = self.values.get(family)
+        if by_copy is None:
+            return None
+        ranks: dict[str, float] = {}
+        for (rank, _copy), value in by_copy.items():
+            ranks[rank] = max(ranks.get(rank, value), value)
+        return list(ranks.values())
 
 
 def _sample_name(line: str) -> str:
@@ -90,11 +126,17 @@ def _collect(lines: Iterable[str]) -> _Samples:
             if not math.isfinite(sample.value):
                 found.problem(f"line {number}: {sample.name} is {sample.value}")
                 continue
-            found.values.setdefault(family, []).append(sample.value)
-            if "engine" in sample.labels:
-                found.engines.add(sample.labels["engine"])
-            if "model_name" in sample.labels:
-                found.models.add(sample.labels["model_name"])
+            labels = sample.labels
+            if family == SGLANG_CACHED_TOKENS and labels.get("cache_source", "device") != "device":
+                continue  # a host or storage hit still loads the prefix: not a GPU prefix hit
+            rank = next((labels[k] for k in _RANK_LABELS if k in labels), "")
+            if rank:
+                found.engines.add(rank)
+            copy = "/".join(labels.get(k, "") for k in _COPY_LABELS)
+            by_copy = found.values.setdefault(family, {})
+            by_copy[rank, copy] = by_copy.get((rank, copy), 0.0) + sample.value
+            if "model_name" in labels:
+                found.models.add(labels["model_name"])
     return found
 
 
@@ -105,22 +147,27 @@ def parse_signals(text: str | bytes) -> EngineSignals:
     found = _collect(text.splitlines())
     old: list[str] = []
 
-    def pick(new: str, previous: str | None = None) -> list[float] | None:
-        if new in found.values:
-            return found.values[new]
-        if previous is not None and previous in found.values:
-            old.append(previous)
-            return found.values[previous]
+    def pick(*names: str, fallback: str | None = None) -> list[float] | None:
+        for name in names:
+            values = found.per_rank(name)
+            if values is not None:
+                return values
+        if fallback is not None and (values := found.per_rank(fallback)) is not None:
+            old.append(fallback)
+            return values
         return None
 
-    running, waiting = pick(RUNNING), pick(WAITING)
-    usage = pick(KV_USAGE, KV_USAGE_OLD)
-    queries = pick(PREFIX_QUERIES, PREFIX_QUERIES_OLD)
-    hits = pick(PREFIX_HITS, PREFIX_HITS_OLD)
+    running, waiting = pick(RUNNING, SGLANG_RUNNING), pick(WAITING, SGLANG_WAITING)
+    usage = pick(KV_USAGE, SGLANG_KV_USAGE, fallback=KV_USAGE_OLD)
+    queries = pick(PREFIX_QUERIES, SGLANG_PROMPT_TOKENS, fallback=PREFIX_QUERIES_OLD)
+    hits = pick(PREFIX_HITS, SGLANG_CACHED_TOKENS, fallback=PREFIX_HITS_OLD)
+    if queries is not None and hits is None and SGLANG_PROMPT_TOKENS in found.values:
+        hits = [0.0]  # SGLang exports no cached-tokens sample until its first hit
     if running is None and waiting is None and usage is None:
         detail = f"; first problem: {found.first_problem}" if found.first_problem else ""
         raise MetricsParseError(
-            f"no {RUNNING}, {WAITING} or {KV_USAGE} samples on the page ({len(text)} characters){detail}"
+            f"no {RUNNING}, {WAITING} or {KV_USAGE} samples on the page (nor SGLang's {SGLANG_RUNNING}, "
+            f"{SGLANG_WAITING} or {SGLANG_KV_USAGE}; {len(text)} characters){detail}"
         )
     return EngineSignals(
         running=None if running is None else round(sum(running)),

@@ -27,7 +27,8 @@ class EngineSignals:
     prefix_cache_queries: float | None
     #: Cumulative prompt tokens found in the prefix cache (a counter).
     prefix_cache_hits: float | None
-    #: Distinct ``engine`` label values (DP ranks), sorted; its length is the visible DP size.
+    #: Distinct DP ranks (vLLM's ``engine`` label, SGLang's ``dp_rank``), sorted; its length is the
+    #: visible DP size.
     engines: tuple[str, ...] = ()
     #: Distinct ``model_name`` label values (served model names).
     model_names: tuple[str, ...] = ()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from extproc.engines.signals import MetricsParseError, parse_signals
 from extproc.sim.metrics import RankStats, SimMetrics
@@ -116,3 +116,72 @@ def test_a_page_without_our_series_is_a_clear_error(page: bytes) -> None:
 def test_numeric_ranks_sort_numerically() -> None:
     page = "".join(f'vllm:num_requests_running{{engine="{e}"}} 1\n' for e in ("10", "2", "0", "x"))
     assert parse_signals(page).engines == ("0", "2", "10", "x")
+
+
+# -- SGLang -------------------------------------------------------------------------------------
+
+SGLANG_MODEL = "Qwen/Qwen3-8B"
+
+
+def sglang_page(
+    ranks: dict[str | None, tuple[int, int, float]] | None = None,
+    *,
+    copies: tuple[str, ...] = ("0",),
+    prompt_tokens: float = 1000.0,
+    cached: dict[str, float] | None = None,
+) -> bytes:
+    """A /metrics page as SGLang 0.5 builds it with prometheus_client.
+
+    Its scheduler gauges carry model_name, engine_type, tp_rank, pp_rank, moe_ep_rank, and dp_rank
+    under DP (``ranks``: a dp_rank, or None, -> running, queued, usage), one copy per TP rank in
+    ``copies``; the tokenizer manager's prompt and cached-token counters follow.
+    """
+
+    registry = CollectorRegistry()
+    base = {"model_name": SGLANG_MODEL, "engine_type": "unified", "pp_rank": "0", "moe_ep_rank": "0"}
+    per_rank = ranks or {None: (3, 500, 0.42)}
+    names = [*base, "tp_rank", *(["dp_rank"] if any(dp is not None for dp in per_rank) else [])]
+    running = Gauge("sglang:num_running_reqs", "The number of running requests.", names, registry=registry)
+    queued = Gauge("sglang:num_queue_reqs", "Requests in the waiting queue.", names, registry=registry)
+    usage = Gauge("sglang:token_usage", "The token usage.", names, registry=registry)
+    for dp, (run, wait, use) in per_rank.items():
+        for tp in copies:
+            labels = {**base, "tp_rank": tp, **({} if dp is None else {"dp_rank": dp})}
+            running.labels(**labels).set(run)
+            queued.labels(**labels).set(wait)
+            usage.labels(**labels).set(use)
+    tokenizer_labels = {"model_name": SGLANG_MODEL, "engine_type": "unified"}
+    prompts = Counter(
+        "sglang:prompt_tokens", "Prefill tokens.", [*tokenizer_labels, "is_streaming"], registry=registry
+    )
+    prompts.labels(**tokenizer_labels, is_streaming="false").inc(prompt_tokens * 0.25)
+    prompts.labels(**tokenizer_labels, is_streaming="true").inc(prompt_tokens * 0.75)
+    hit_labels = [*tokenizer_labels, "cache_source"]
+    hits = Counter("sglang:cached_tokens", "Cached prompt tokens.", hit_labels, registry=registry)
+    for source, count in (cached if cached is not None else {"device": 600.0, "host": 100.0}).items():
+        hits.labels(**tokenizer_labels, cache_source=source).inc(count)
+    return generate_latest(registry)
+
+
+def test_sglang_page_gives_the_same_signals_as_vllm_names_would() -> None:
+    """A queue of 500 on an SGLang pod is seen (it was invisible: the page has no vllm: series)."""
+    signals = parse_signals(sglang_page())
+    assert (signals.running, signals.waiting, signals.kv_cache_usage) == (3, 500, 0.42)
+    # Prompt tokens over both streaming kinds; only GPU ("device") hits count as prefix hits.
+    assert (signals.prefix_cache_queries, signals.prefix_cache_hits) == (1000.0, 600.0)
+    assert signals.model_names == (SGLANG_MODEL,) and signals.data_parallel_size == 1
+
+
+def test_sglang_dp_ranks_are_summed_and_their_tp_copies_counted_once() -> None:
+    """With --enable-metrics-for-all-schedulers each TP rank exports the same gauges: once per DP rank."""
+    page = sglang_page({"0": (2, 10, 0.3), "1": (4, 0, 0.7)}, copies=("0", "1", "2", "3"))
+    signals = parse_signals(page)
+    assert (signals.running, signals.waiting, signals.kv_cache_usage) == (6, 10, 0.7)
+    assert signals.engines == ("0", "1") and signals.data_parallel_size == 2
+
+
+def test_sglang_page_under_openmetrics_names_and_before_any_cache_hit() -> None:
+    page = sglang_page(cached={}).decode().replace("sglang:", "sglang_").encode()
+    signals = parse_signals(page)
+    assert (signals.running, signals.waiting) == (3, 500)
+    assert (signals.prefix_cache_queries, signals.prefix_cache_hits) == (1000.0, 0.0)
