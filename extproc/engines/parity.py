@@ -44,7 +44,9 @@ PROBE_CHAT: dict[str, Any] = {
         {"role": "assistant", "content": "Saved attention keys and values."},
         {"role": "user", "content": "And prefix caching?"},
     ],
-    "add_generation_prompt": True,
+    # No add_generation_prompt: vLLM's /tokenize defaults it to true, and SGLang (0.5) renders
+    # messages as for a chat completion without it, but refuses it when the server runs a named,
+    # non-Jinja template (the verdict then read "unknown").
 }
 PROBE_COMPLETION: dict[str, Any] = {"prompt": "Routing probe: the quick brown fox jumps over the lazy dog."}
 
