@@ -215,6 +215,14 @@ class PrefixIndex:
 
     # --- lookups -------------------------------------------------------------------------------
 
+    def block_size_mismatch(self, source: Source) -> tuple[int, int] | None:
+        """(the worker set's kvBlockSize, the engine's) when ``source`` sent blocks of a size that is
+        not a multiple of it (those events are skipped), else None."""
+        state = self._states.get(source)
+        if state is None or state.mismatched is None:
+            return None
+        return state.block_size, state.mismatched
+
     def has_lower_tier(self, source: Source) -> bool:
         """``source`` has announced blocks on an offload tier (CPU, storage): worth a second lookup."""
         state = self._states.get(source)

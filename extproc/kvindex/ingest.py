@@ -64,11 +64,23 @@ class IndexIngest:
             )
             return
         try:
-            self.index.apply(source, batch)
+            result = self.index.apply(source, batch)
         except KeyError:
             self.counters.unknown_source += 1
             return
         self.counters.batches += 1
+        if result.mismatched and (sizes := self.index.block_size_mismatch(source)) is not None:
+            declared, engine = sizes
+            self._log_sometimes(
+                source,
+                "block-size",
+                "kv events skipped: the engine's blocks hold %d tokens, not a multiple of the worker "
+                "set's kvBlockSize %d; set spec.kvBlockSize to the engine's block size (SGLang's "
+                "default page size is 1) source=%s",
+                engine,
+                declared,
+                source,
+            )
 
     def on_reset(self, source: Source, reason: str) -> None:
         self.counters.resets += 1

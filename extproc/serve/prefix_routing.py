@@ -25,6 +25,7 @@ from extproc.scheduling.prefix import PrefixScorer
 from extproc.settings import PrefixSettings
 from extproc.tokenize.pool import TokenizePool
 from extproc.tokenize.registry import TokenizerRegistry
+from extproc.tokenize.workers import ProcessWorkers, ThreadWorkers, WorkerSetup
 from extproc.types import EndpointAddress
 
 
@@ -47,9 +48,9 @@ class PrefixRouting:
         #: None without tokenizers, or with --tokenize-threads 0 (prompts tokenized on the loop).
         self.tokenize_pool = (
             TokenizePool(
-                threads=settings.tokenize_threads,
                 max_pending=settings.tokenize_queue,
                 budget=settings.tokenize_budget,
+                workers=_workers(settings),
             )
             if self.tokenizers.models() and settings.tokenize_threads != 0
             else None
@@ -84,6 +85,8 @@ class PrefixRouting:
     def start(self) -> None:
         self.follower.start()
         self.parity.start()
+        if self.tokenize_pool is not None and isinstance(self.tokenize_pool.workers, ProcessWorkers):
+            self.tokenize_pool.workers.start()
 
     async def close(self) -> None:
         self._unsubscribe()
@@ -107,6 +110,8 @@ class PrefixRouting:
                 "replay": plan.target.replay_address if plan else None,
                 "namespace": plan.namespace if plan else None,
                 "blockSize": plan.block_size if plan else None,
+                # Set when the engine's events came in blocks this size does not divide (skipped).
+                "engineBlockSize": held.mismatched_block_size if held else None,
                 "connected": sub.connected,
                 "lastSeq": sub.last_seq,
                 "complete": sub.complete,
@@ -125,6 +130,13 @@ class PrefixRouting:
                 "resets": self.ingest.counters.resets,
             },
         }
+
+
+def _workers(settings: PrefixSettings) -> ThreadWorkers | ProcessWorkers:
+    if settings.tokenize_processes:
+        setup = WorkerSetup(settings.tokenizers, settings.hf_cache, settings.tokenize_cache_bytes)
+        return ProcessWorkers(settings.tokenize_processes, setup)
+    return ThreadWorkers(settings.tokenize_threads)
 
 
 class PrefixCollector(Collector):
@@ -149,11 +161,14 @@ class PrefixCollector(Collector):
             fallbacks = CounterMetricFamily(
                 "extproc_tokenize_fallbacks",
                 "Prompts routed without their tokens (approximately): queue_full (--tokenize-queue "
-                "prompts already tokenizing or waiting), budget (not ready within --tokenize-budget-ms).",
+                "prompts already tokenizing or waiting), budget (not ready within --tokenize-budget-ms), "
+                "worker_lost (its --tokenize-processes worker died; replaced on the next prompt).",
                 labels=["reason"],
             )
             for reason, count in pool.fallbacks.items():
                 fallbacks.add_metric([reason], count)
+            if isinstance(pool.workers, ProcessWorkers):
+                fallbacks.add_metric(["worker_lost"], pool.workers.lost)
             yield fallbacks
             yield GaugeMetricFamily(
                 "extproc_tokenize_pending",
@@ -169,13 +184,21 @@ class PrefixCollector(Collector):
         held = GaugeMetricFamily(
             "extproc_tokenize_cache_bytes", "Bytes a model's prompt-piece cache holds.", labels=["model"]
         )
+        processes = pool.workers if pool is not None and isinstance(pool.workers, ProcessWorkers) else None
         for model in r.tokenizers.models():
             entry = r.tokenizers.get(model)
             cache = None if entry is None else entry.tokenizer.segment_cache
             if cache is not None:
-                lookups_cached.add_metric([model, "hit"], cache.stats.hits)
-                lookups_cached.add_metric([model, "miss"], cache.stats.misses)
-                held.add_metric([model], cache.bytes)
+                hits, misses, held_bytes = cache.stats.hits, cache.stats.misses, cache.bytes
+                # Long prompts are tokenized (and their pieces cached) in the worker processes.
+                in_workers = None if processes is None else processes.cache_totals(model)
+                if in_workers is not None:
+                    stats, worker_bytes = in_workers
+                    hits, misses = hits + stats.hits, misses + stats.misses
+                    held_bytes += worker_bytes
+                lookups_cached.add_metric([model, "hit"], hits)
+                lookups_cached.add_metric([model, "miss"], misses)
+                held.add_metric([model], held_bytes)
         yield lookups_cached
         yield held
         yield CounterMetricFamily(
@@ -209,9 +232,19 @@ class PrefixCollector(Collector):
             "Blocks the KV-event index holds, per endpoint.",
             labels=["endpoint", "dp_rank"],
         )
+        mismatch = GaugeMetricFamily(
+            "extproc_kv_block_size_mismatch",
+            "1 per KV-event source whose engine stores blocks of a size the worker set's kvBlockSize "
+            "does not divide: its events are skipped, so its cache never steers routing.",
+            labels=["endpoint", "dp_rank", "kv_block_size", "engine_block_size"],
+        )
         for source, held in stats.sources.items():
             blocks.add_metric([source.endpoint, str(source.dp_rank)], held.gpu_blocks + held.lower_blocks)
+            if held.mismatched_block_size is not None:
+                labels = [source.endpoint, str(source.dp_rank), str(held.block_size)]
+                mismatch.add_metric([*labels, str(held.mismatched_block_size)], 1)
         yield blocks
+        yield mismatch
         totals = stats.totals
         applied = CounterMetricFamily(
             "extproc_kv_index_events",

@@ -191,3 +191,26 @@ def test_log_limits_are_per_source_and_forgotten_with_the_source(caplog: pytest.
     decode_logs = [r.getMessage() for r in caplog.records if "not decoded" in r.getMessage()]
     assert [m.split()[4] for m in decode_logs] == [f"source={A}", f"source={B}", f"source={A}"]
     assert A not in ingest.health
+
+
+def test_an_engine_block_size_the_set_does_not_divide_is_said_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SGLang's default page size is 1: a set declared 16 would skip every event in silence."""
+    clock = [0.0]
+    ingest = make_ingest(A, clock=clock)
+    pages = BlockStored(
+        block_hashes=tuple(DIGESTS[:3]),
+        parent_block_hash=None,
+        token_ids=DOC[:3],
+        block_size=1,
+        lora_id=None,
+        lora_name=None,
+    )
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for seq in range(3):
+            ingest.on_batch(A, seq, payload(pages))
+    [record] = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert "blocks hold 1 tokens, not a multiple of the worker set's kvBlockSize 16" in record
+    assert ingest.index.block_size_mismatch(A) == (16, 1)
+    assert ingest.index.match(block_keys(DOC[:16], BLOCK, namespace_seed(MODEL))) == {A: 0}
