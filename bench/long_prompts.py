@@ -17,8 +17,9 @@ the small one, so no cache of whole bodies can help. Measured, per `serve` varia
 - **event loop**: `serve`'s own ``extproc_event_loop_lag_seconds``: the share of 10 ms timer ticks
   more than 5 ms late over the whole run, and the largest bucket reached.
 
-Variants: ``inline`` (``--tokenize-threads 0``: tokenized on the event loop, as before) and
-``pool`` (the default: worker threads, bounded). Writes ``bench/results/long_prompts.{json,md}``.
+Variants: ``inline`` (``--tokenize-threads 0``: tokenized on the event loop, as before), ``threads``
+(the default: worker threads, bounded) and ``processes`` (``--tokenize-processes 2``: two worker
+processes, bounded the same way). Writes ``bench/results/long_prompts.{json,md}``.
 
     python bench/long_prompts.py [--seconds 5]
 """
@@ -59,7 +60,11 @@ from ports import free_port  # noqa: E402
 
 MODEL = "bench-model"
 STREAMS = 16
-VARIANTS = {"inline": ["--tokenize-threads", "0"], "pool": []}
+VARIANTS = {
+    "inline": ["--tokenize-threads", "0"],
+    "threads": [],
+    "processes": ["--tokenize-processes", "2"],
+}
 #: Targets of issue 13, as ratios (higher is better, except the stall and next-turn ratios).
 TARGETS = {
     "conversations_8k": 0.50,

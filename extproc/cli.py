@@ -137,6 +137,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="threads tokenizing prompts off the event loop (default: one per core; 0: on the loop)",
     )
     g.add_argument(
+        "--tokenize-processes",
+        type=int,
+        default=0,
+        help="tokenize long prompts in this many processes of their own instead of threads: parsing "
+        "and template rendering then never hold the event loop's GIL, at ~100 MB of memory each (0)",
+    )
+    g.add_argument(
         "--tokenize-queue",
         type=int,
         default=256,
@@ -194,6 +201,7 @@ def _prefix_settings(args: argparse.Namespace) -> PrefixSettings:
         index_max_blocks_per_endpoint=args.kv_index_max_blocks_per_endpoint,
         approx_max_blocks=args.approx_prefix_max_blocks,
         tokenize_threads=args.tokenize_threads,
+        tokenize_processes=args.tokenize_processes,
         tokenize_queue=args.tokenize_queue,
         tokenize_budget=args.tokenize_budget_ms / 1000,
         tokenize_cache_bytes=int(args.tokenize_cache_mb * 1024 * 1024),

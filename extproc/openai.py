@@ -138,6 +138,8 @@ class InferenceRequest:
     prefix_text: str | None
     #: The decoded body, for :meth:`read_prompt` and :func:`rewrite_model` only.
     payload: dict[str, Any] = field(repr=False)
+    #: The body as it came (b"" when built from a decoded one), for tokenizing in another process.
+    body: bytes = field(default=b"", repr=False)
 
     def read_prompt(self) -> Prompt | None:
         """The prompt, read the way the engine reads it; None for kinds without one.
@@ -160,10 +162,10 @@ def parse_request(body: bytes, *, path: str) -> InferenceRequest:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    return read_request(path, payload)
+    return read_request(path, payload, body=body)
 
 
-def read_request(path: str, payload: object) -> InferenceRequest:
+def read_request(path: str, payload: object, *, body: bytes = b"") -> InferenceRequest:
     """The typed request from a decoded body sent to the (normalized) ``path``."""
     if not isinstance(payload, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(payload).__name__}")
@@ -181,6 +183,7 @@ def read_request(path: str, payload: object) -> InferenceRequest:
         max_tokens=_max_tokens(payload),
         prefix_text=prefix_text(kind, payload),
         payload=payload,
+        body=body,
     )
 
 

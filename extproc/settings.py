@@ -149,6 +149,8 @@ class PrefixSettings:
     approx_max_blocks: int = 200_000
     #: Threads tokenizing prompts off the event loop (None: one per core; 0: inline, on the loop).
     tokenize_threads: int | None = None
+    #: Processes tokenizing long prompts instead of threads (0: threads; see tokenize/workers.py).
+    tokenize_processes: int = 0
     #: Prompts being tokenized or waiting at once; one more is routed without its tokens.
     tokenize_queue: int = 256
     #: Seconds a request waits for its prompt's tokens before it is routed without them.
@@ -168,6 +170,14 @@ class PrefixSettings:
                 raise ConfigError(f"{flag} must be at least 1, got {value}")
         if self.tokenize_threads is not None and self.tokenize_threads < 0:
             raise ConfigError(f"--tokenize-threads must be 0 (inline) or more, got {self.tokenize_threads}")
+        if self.tokenize_processes < 0:
+            raise ConfigError(
+                f"--tokenize-processes must be 0 (threads) or more, got {self.tokenize_processes}"
+            )
+        if self.tokenize_processes and self.tokenize_threads == 0:
+            raise ConfigError(
+                "--tokenize-processes N and --tokenize-threads 0 (tokenize on the loop) contradict each other"
+            )
         if self.tokenize_cache_bytes < 0:
             raise ConfigError(f"--tokenize-cache-mb must be 0 (off) or more, got {self.tokenize_cache_bytes}")
         if not self.tokenize_budget > 0:

@@ -20,9 +20,11 @@ as :class:`Tokenized`; without one, ``match`` tokenizes inline.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from array import array
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,6 +38,7 @@ from extproc.openai import InferenceRequest
 from extproc.telemetry import LogLimiter
 from extproc.tokenize.pool import TokenizePool
 from extproc.tokenize.registry import ModelTokenizer, TokenizerRegistry
+from extproc.tokenize.workers import AFFINITY_BYTES, WorkerFailed, body_ids
 from extproc.types import EndpointAddress
 
 log = logging.getLogger(__name__)
@@ -71,7 +74,9 @@ class Tokenized:
     """A prompt's ids computed before the decision, for ``model``; ``ids`` None: it fell back."""
 
     model: str
-    ids: list[int] | None
+    ids: Sequence[int] | None
+    #: The ids' block keys, per block size, where the worker computed them too (others: at match).
+    keys: Mapping[int, Sequence[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -116,13 +121,21 @@ class PrefixScorer:
             and any(e.kv_events_port is not None for e in route.endpoints)
         )
 
-    async def prompt_tokens(self, route: Route, request: InferenceRequest) -> Tokenized:
-        """The prompt's ids, computed in the pool (see :mod:`extproc.tokenize.pool`)."""
+    async def prompt_tokens(
+        self, route: Route, request: InferenceRequest, catalog: Catalog | None = None
+    ) -> Tokenized:
+        """The prompt's ids, computed in the pool (see :mod:`extproc.tokenize.pool`).
+
+        In worker processes, given the ``catalog``, the block keys of every block size the route's
+        KV-event sets use are computed there too, so the decision only looks them up.
+        """
         model = route.upstream_model
         tokenizer = self._tokenizer(model)
         if tokenizer is None or self.pool is None:
             return Tokenized(model, None)
         try:
+            if self.pool.in_processes and request.body:
+                return await self._tokenized_in_process(model, request, _block_sizes(catalog, route))
             prompt = request.read_prompt()
             if prompt is None:
                 return Tokenized(model, None)
@@ -130,6 +143,28 @@ class PrefixScorer:
         except Exception as exc:
             self._tokenize_failed(model, exc)
             return Tokenized(model, None)
+
+    async def _tokenized_in_process(
+        self, model: str, request: InferenceRequest, block_sizes: tuple[int, ...]
+    ) -> Tokenized:
+        """The body handed to a worker process whole: it parses, renders and encodes it there."""
+        assert self.pool is not None
+        keyer = functools.partial(keys_by_block_size, namespace_seed(model), block_sizes)
+        call = functools.partial(body_ids, model, request.path, request.body, keyer)
+        answer = await self.pool.run(call, affinity=request.body[:AFFINITY_BYTES])
+        if answer is None or answer.ids is None:
+            if answer is not None and answer.error is not None:
+                bad_request, message = answer.error
+                raise BadRequest(message) if bad_request else WorkerFailed(message)
+            return Tokenized(model, None)
+        ids = array("I")
+        ids.frombytes(answer.ids)
+        keys: dict[int, Sequence[int]] = {}
+        for size, raw in answer.keys.items():
+            column = array("q")
+            column.frombytes(raw)
+            keys[size] = column
+        return Tokenized(model, ids, keys)
 
     def match(
         self,
@@ -146,14 +181,17 @@ class PrefixScorer:
         cached: dict[EndpointAddress, int] = {}
         ranks: dict[EndpointAddress, int] = {}
         lower: dict[EndpointAddress, int] = {}
-        tokens: list[int] | None = None
+        tokens: Sequence[int] | None = None
+        known_keys: Mapping[int, Sequence[int]] = {}
         if precise and tokenized is not None and tokenized.model == route.upstream_model:
-            tokens = tokenized.ids
+            tokens, known_keys = tokenized.ids, tokenized.keys
         elif precise:
             tokens = self._tokens(route.upstream_model, request)
         if tokens is not None:
             mode = "precise"
-            self._match_precise(catalog, route.upstream_model, tokens, precise, cached, ranks, lower)
+            self._match_precise(
+                catalog, route.upstream_model, tokens, known_keys, precise, cached, ranks, lower
+            )
         else:
             rest = list(candidates)
         keys: list[int] = []
@@ -202,7 +240,8 @@ class PrefixScorer:
         self,
         catalog: Catalog,
         model: str,
-        tokens: list[int],
+        tokens: Sequence[int],
+        known_keys: Mapping[int, Sequence[int]],
         endpoints: list[Endpoint],
         cached: dict[EndpointAddress, int],
         ranks: dict[EndpointAddress, int],
@@ -224,11 +263,14 @@ class PrefixScorer:
                 group.extend(Source(endpoint.address, rank) for rank in range(ws.data_parallel_size))
                 if ws.data_parallel_size > 1:
                     multi_rank.add(endpoint.address)
-        token_tuple = tuple(tokens)
+        token_tuple: tuple[int, ...] | None = None
         # Per endpoint, its best rank: most GPU-cached tokens, then the furthest reach on any tier.
         best: dict[EndpointAddress, tuple[int, int, int]] = {}
         for block_size, sources in groups.items():
-            keys = block_keys(token_tuple, block_size, seed)
+            keys = known_keys.get(block_size)
+            if keys is None:
+                token_tuple = token_tuple or tuple(tokens)
+                keys = block_keys(token_tuple, block_size, seed)
             gpu = self.index.match(keys, sources)
             # A second walk only for the sources that offload (usually all of a fleet, or none).
             offloading = [s for s in sources if self.index.has_lower_tier(s)]
@@ -245,3 +287,25 @@ class PrefixScorer:
                 ranks[address] = rank
             if reach > held:
                 lower[address] = reach - held
+
+
+def _block_sizes(catalog: Catalog | None, route: Route) -> tuple[int, ...]:
+    """The block sizes of the route's worker sets that publish KV events (none without a catalog)."""
+    if catalog is None:
+        return ()
+    sizes = set()
+    for endpoint in route.endpoints:
+        ws = catalog.worker_sets.get(endpoint.worker_set)
+        if endpoint.kv_events_port is not None and ws is not None:
+            sizes.add(ws.kv_block_size)
+    return tuple(sorted(sizes))
+
+
+def keys_by_block_size(seed: int, block_sizes: tuple[int, ...], ids: Sequence[int]) -> dict[int, bytes]:
+    """The ids' block keys for each size (``array('q')`` bytes): run in a tokenizing worker process.
+
+    The keys equal this process's: the seed comes from here, and a tuple of ints hashes the same in
+    every process (only str hashes are salted per process).
+    """
+    tokens = tuple(ids)
+    return {size: array("q", block_keys(tokens, size, seed)).tobytes() for size in block_sizes}

@@ -102,10 +102,11 @@ class Scheduler:
 
     async def tokenize(self, request: InferenceRequest) -> Tokenized | None:
         """The prompt's ids, computed off the event loop, bounded in queue and time (may fall back)."""
-        route = self._catalog().resolve(request.model)
+        catalog = self._catalog()
+        route = catalog.resolve(request.model)
         if route is None or self._prefix is None:
             return None
-        return await self._prefix.prompt_tokens(route, request)
+        return await self._prefix.prompt_tokens(route, request, catalog)
 
     def schedule(
         self,

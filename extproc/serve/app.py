@@ -112,7 +112,8 @@ class Server:
             raise
         self._watch = asyncio.create_task(self.source.watch(self._publish), name="catalog-source")
         self._loop_lag = asyncio.create_task(watch_loop_lag(self.metrics.loop_lag), name="loop-lag")
-        if self.prefix.tokenize_pool is not None:
+        pool = self.prefix.tokenize_pool
+        if pool is not None and not pool.in_processes:
             # A tokenizing thread rendering a template holds the GIL for up to the switch interval
             # (5 ms by default) before the loop gets it back; every decision waits that long.
             self._switch_interval = sys.getswitchinterval()

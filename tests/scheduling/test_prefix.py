@@ -11,6 +11,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
 import pytest
 from catalog.test_build import build, eps, iws, svc
 
@@ -20,7 +21,8 @@ from extproc.kvindex.events import Source
 from extproc.kvindex.follow import plan_sources
 from extproc.kvindex.index import PrefixIndex
 from extproc.kvindex.ingest import IndexIngest
-from extproc.openai import read_request
+from extproc.kvindex.keys import block_keys, namespace_seed
+from extproc.openai import parse_request, read_request
 from extproc.scheduling.prefix import PrefixMatch, PrefixScorer, Tokenized
 from extproc.settings import TokenizerSpec
 from extproc.sim.kv_events import BlockStored
@@ -28,6 +30,7 @@ from extproc.sim.kv_wire import encode_batch
 from extproc.tokenize import shipped_chat_template, shipped_tokenizer
 from extproc.tokenize.pool import TokenizePool
 from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerRegistry
+from extproc.tokenize.workers import ProcessWorkers, WorkerSetup
 from extproc.types import EndpointAddress
 
 #: A model with a tokenizer, and one without.
@@ -430,6 +433,39 @@ async def test_tokens_computed_in_the_pool_match_as_inline_ones(path: str, paylo
         match = router.scorer.match(router.catalog, route, request, route.endpoints, tokenized)
         assert (match.mode, match.cached_tokens[KV1], match.prompt_tokens) == ("precise", 5 * 16, len(tokens))
         assert match == router.match(LLAMA, path, payload)  # the inline path agrees
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize(("path", "payload"), PROMPTS, ids=PROMPT_IDS)
+async def test_tokens_computed_in_a_worker_process_match_as_inline_ones(
+    path: str, payload: dict[str, Any]
+) -> None:
+    """With --tokenize-processes the body is tokenized in another process, to the same credit."""
+    workers = ProcessWorkers(1, WorkerSetup((TokenizerSpec(LLAMA, SHIPPED_TOKENIZER, "llama3"),)))
+    pool = TokenizePool(budget=30.0, workers=workers)  # generous: the worker starts on the first call
+    router = Router(pool=pool)
+    try:
+        tokens = engine_tokens(path, payload)
+        router.feed(KV1, tokens, 5)
+        route = router.route(LLAMA)
+        request = parse_request(orjson.dumps({"model": LLAMA, **payload}), path=path)
+        tokenized = await router.scorer.prompt_tokens(route, request, router.catalog)
+        assert tokenized.ids is not None and list(tokenized.ids) == tokens
+        # The block keys came from the worker too, for both block sizes of LLAMA's KV-event sets,
+        # equal to this process's (a tuple of ints hashes alike in every process).
+        seed = namespace_seed(LLAMA)
+        assert {size: list(keys) for size, keys in tokenized.keys.items()} == {
+            size: block_keys(tokens, size, seed) for size in (16, 32)
+        }
+        match = router.scorer.match(router.catalog, route, request, route.endpoints, tokenized)
+        assert match == router.match(LLAMA, path, payload)
+        # A body the engine would refuse is counted, and routed approximately.
+        refused = parse_request(
+            orjson.dumps({"model": LLAMA, "messages": [{"role": "user", "content": 42}]}), path=CHAT
+        )
+        assert await router.scorer.prompt_tokens(route, refused) == Tokenized(LLAMA, None)
+        assert router.scorer.counters.tokenize_errors == 1
     finally:
         pool.close()
 

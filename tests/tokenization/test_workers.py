@@ -1,0 +1,107 @@
+"""Tokenizing in worker processes: the same ids as in this process, sticky conversations, and a
+worker that dies is replaced without taking serve with it. Real spawned processes throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+import time
+from array import array
+from collections.abc import AsyncIterator
+from concurrent.futures.process import BrokenProcessPool
+
+import orjson
+import pytest
+
+from extproc.openai import parse_request
+from extproc.settings import TokenizerSpec
+from extproc.tokenize.pool import TokenizePool
+from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerRegistry
+from extproc.tokenize.workers import BodyIds, ProcessWorkers, WorkerSetup, body_ids
+
+MODEL = "tiny"
+SPECS = (TokenizerSpec(MODEL, SHIPPED_TOKENIZER, "llama3"),)
+CHAT = "/v1/chat/completions"
+HISTORY = "The quarterly report covers revenue, costs, hiring and the outlook. " * 80
+
+
+def chat_body(*turns: str) -> bytes:
+    messages = [{"role": "system", "content": HISTORY}]
+    messages += [{"role": "user", "content": turn} for turn in turns]
+    return orjson.dumps({"model": MODEL, "messages": messages})
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[TokenizePool]:
+    workers = ProcessWorkers(2, WorkerSetup(SPECS, segment_cache_bytes=1 << 20))
+    workers.start()
+    pool = TokenizePool(budget=30.0, workers=workers)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+async def ids_of(pool: TokenizePool, body: bytes) -> BodyIds:
+    answer = await pool.run(functools.partial(body_ids, MODEL, CHAT, body), affinity=body)
+    assert answer is not None
+    return answer
+
+
+def as_list(answer: BodyIds) -> list[int]:
+    assert answer.ids is not None, answer.error
+    ids = array("I")
+    ids.frombytes(answer.ids)
+    return ids.tolist()
+
+
+async def test_a_worker_process_gives_the_ids_this_process_gives(pool: TokenizePool) -> None:
+    here = TokenizerRegistry.load(SPECS).get(MODEL)
+    assert here is not None
+    body = chat_body("What were the costs?")
+    prompt = parse_request(body, path=CHAT).read_prompt()
+    assert prompt is not None
+    assert as_list(await ids_of(pool, body)) == here.prompt_ids(prompt)
+
+
+async def test_a_body_the_engine_would_refuse_comes_back_as_a_bad_request(pool: TokenizePool) -> None:
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": 42}]})
+    answer = await ids_of(pool, body)
+    assert answer.ids is None and answer.error is not None
+    bad_request, message = answer.error
+    assert bad_request and "content" in message
+
+
+async def test_a_conversation_keeps_to_one_worker_whose_cache_it_hits(pool: TokenizePool) -> None:
+    workers = pool.workers
+    assert isinstance(workers, ProcessWorkers)
+    for turn in range(4):
+        await ids_of(pool, chat_body(*(f"Question {n}?" for n in range(turn + 1))))
+    totals = workers.cache_totals(MODEL)
+    assert totals is not None
+    stats, held = totals
+    # The long history was encoded once, then found in the same worker's cache three times.
+    assert stats.hits >= 3 and held > 0
+    assert sum(1 for per_model in workers.cache if MODEL in per_model) == 1
+
+
+async def test_a_worker_that_dies_is_replaced_and_what_it_ran_counted_lost(pool: TokenizePool) -> None:
+    workers = pool.workers
+    assert isinstance(workers, ProcessWorkers)
+    body = chat_body("Hiring?")
+    await ids_of(pool, body)
+    running = asyncio.ensure_future(pool.run(functools.partial(time.sleep, 10), affinity=body))
+    await asyncio.sleep(0.5)
+    victims = workers.pids()
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    with pytest.raises(BrokenProcessPool):
+        await running
+    assert workers.lost == 1
+    # Both workers died: the next calls are served by new processes, whichever worker they go to.
+    for question in ("Costs?", "Outlook?", "Revenue?"):
+        assert as_list(await ids_of(pool, chat_body(question)))
+    assert not set(workers.pids()) & set(victims)
+    assert pool.pending == 0
