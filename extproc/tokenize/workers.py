@@ -107,6 +107,8 @@ class ProcessWorkers:
         self._lock = threading.Lock()
         #: Each worker's latest prompt-piece cache figures, per model (see :meth:`cache_totals`).
         self.cache: list[dict[str, tuple[CacheStats, int]]] = [{} for _ in range(count)]
+        #: Cache counts of worker processes that died, so the totals never go back.
+        self._retired: dict[str, CacheStats] = {}
         #: Calls lost because a worker process died (it is replaced on the next call).
         self.lost = 0
 
@@ -120,16 +122,18 @@ class ProcessWorkers:
             worker = self._choose(affinity)
             self._busy[worker] += 1
         try:
+            executor = self._executor(worker)
             try:
-                future = self._executor(worker).submit(call)
+                future = executor.submit(call)
             except BrokenProcessPool:  # its process died while idle: replace it, nothing was lost
-                self._executors[worker] = None
-                future = self._executor(worker).submit(call)
+                self._retire(worker, executor)
+                executor = self._executor(worker)
+                future = executor.submit(call)
         except BaseException:
             with self._lock:
                 self._busy[worker] -= 1
             raise
-        future.add_done_callback(lambda f: self._done(worker, f))
+        future.add_done_callback(lambda f: self._done(worker, executor, f))
         return future
 
     def pids(self) -> list[int]:
@@ -149,12 +153,14 @@ class ProcessWorkers:
         self._executors = [None] * self.count
 
     def cache_totals(self, model: str) -> tuple[CacheStats, int] | None:
-        """The prompt-piece cache figures of ``model`` summed over the workers (None: none reported)."""
+        """The prompt-piece cache figures of ``model`` over the workers, past ones' counts included
+        (None: none reported yet)."""
         reported = [per_model[model] for per_model in self.cache if model in per_model]
-        if not reported:
+        retired = self._retired.get(model)
+        if not reported and retired is None:
             return None
         total = CacheStats()
-        for stats, _ in reported:
+        for stats in [*(stats for stats, _ in reported), *([retired] if retired else [])]:
             total.hits += stats.hits
             total.misses += stats.misses
             total.evictions += stats.evictions
@@ -174,7 +180,20 @@ class ProcessWorkers:
             self._executors[worker] = executor
         return executor
 
-    def _done(self, worker: int, future: Future[Any]) -> None:
+    def _retire(self, worker: int, executor: ProcessPoolExecutor) -> None:
+        """``executor``'s process died: the next call to ``worker`` starts a new one. (A broken
+        executor has already failed its calls and cleaned up after itself.)"""
+        with self._lock:
+            if self._executors[worker] is not executor:
+                return  # already replaced
+            self._executors[worker] = None
+            for model, (stats, _) in self.cache[worker].items():
+                kept = self._retired.setdefault(model, CacheStats())
+                kept.hits, kept.misses = kept.hits + stats.hits, kept.misses + stats.misses
+                kept.evictions += stats.evictions
+            self.cache[worker] = {}
+
+    def _done(self, worker: int, executor: ProcessPoolExecutor, future: Future[Any]) -> None:
         with self._lock:  # in the executor's management thread
             self._busy[worker] -= 1
         if future.cancelled():
@@ -183,10 +202,10 @@ class ProcessWorkers:
         if error is not None:
             if isinstance(error, BrokenProcessPool):
                 self.lost += 1
-                self._executors[worker] = None  # replaced on the next call
+                self._retire(worker, executor)
             return
         result = future.result()
-        if isinstance(result, BodyIds) and result.cache is not None:
+        if isinstance(result, BodyIds) and result.cache is not None and self._executors[worker] is executor:
             self.cache[worker][result.model] = (result.cache, result.cache_bytes)
 
 
