@@ -137,13 +137,14 @@ class ProcessWorkers:
         return future
 
     def pids(self) -> list[int]:
-        """The worker processes running now."""
+        """The worker processes alive now."""
         return [
             pid
             for executor in self._executors
             if executor is not None
             # The executor keeps no public list of its processes.
-            for pid in getattr(executor, "_processes", {})
+            for pid, process in getattr(executor, "_processes", {}).items()
+            if process.is_alive()
         ]
 
     def close(self) -> None:
