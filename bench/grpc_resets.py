@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import gc
 import subprocess
 import sys
@@ -27,27 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from machine import machine, provenance, record
+from machine import machine, malloc_bytes, provenance, record
 
 HERE = Path(__file__).resolve().parent
 METHOD = "/bench.Streams/Echo"
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            *("arena", "ordblks", "smblks", "hblks", "hblkhd"),
-            *("usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"),
-        )
-    ]
-
-
-def malloc_in_use() -> int:
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
-    return int(info.uordblks + info.hblkhd)
 
 
 async def echo(requests: AsyncIterator[bytes], _context: grpc.aio.ServicerContext[bytes, bytes]) -> Any:
@@ -67,7 +49,7 @@ async def serve() -> None:
     loop = asyncio.get_running_loop()
     while await loop.run_in_executor(None, sys.stdin.readline):
         gc.collect()
-        print(malloc_in_use(), flush=True)
+        print(malloc_bytes()[0], flush=True)
     await server.stop(None)
 
 

@@ -6,6 +6,7 @@ starts with this description (CPU, cores, Python, load, commit).
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import os
@@ -65,3 +66,25 @@ def record(out: Path, results: dict[str, Any], report: Callable[[dict[str, Any]]
     out.write_text(json.dumps(results, indent=2) + "\n")
     out.with_suffix(".md").write_text(text)
     print(text)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            *("arena", "ordblks", "smblks", "hblks", "hblkhd"),
+            *("usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"),
+        )
+    ]
+
+
+def malloc_bytes() -> tuple[int, int]:
+    """This process's glibc malloc: (bytes in use, bytes free in its arenas), from ``mallinfo2``.
+
+    Native memory (C extensions, and Python objects over 512 bytes) shows here; fragmentation
+    shows as free bytes that RSS keeps.
+    """
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd), int(info.fordblks)

@@ -14,7 +14,6 @@ first; ``EXTPROC_MEMTRACE_SNAPSHOTS=0`` traces but only logs the traced total.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import json
 import os
@@ -24,27 +23,14 @@ import time
 import tracemalloc
 from pathlib import Path
 
+from machine import malloc_bytes
+
 from extproc.cli import main
 
 
-class MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            *("arena", "ordblks", "smblks", "hblks", "hblkhd"),
-            *("usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"),
-        )
-    ]
-
-
 def mallinfo() -> dict[str, float]:
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = MallInfo2
-    info = libc.mallinfo2()
-    return {
-        "malloc_in_use_mb": round((info.uordblks + info.hblkhd) / 2**20, 2),
-        "malloc_free_mb": round(info.fordblks / 2**20, 2),
-    }
+    in_use, free = malloc_bytes()
+    return {"malloc_in_use_mb": round(in_use / 2**20, 2), "malloc_free_mb": round(free / 2**20, 2)}
 
 
 def rss_mb() -> float:
