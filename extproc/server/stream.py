@@ -154,7 +154,7 @@ class RequestStream:
 
         The stream is then ended from our side: otherwise Envoy often resets it when the request
         completes first, and grpcio's asyncio server leaks ~100 bytes of native memory for every
-        stream reset while it waits for a message (grpc/grpc#43360; bench/results/soak.md).
+        stream reset while it waits for a message (grpc/grpc#43360; bench/results/grpc_resets.md).
         """
         return self._finished
 
