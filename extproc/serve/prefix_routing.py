@@ -25,6 +25,7 @@ from extproc.scheduling.prefix import PrefixScorer
 from extproc.settings import PrefixSettings
 from extproc.tokenize.pool import TokenizePool
 from extproc.tokenize.registry import TokenizerRegistry
+from extproc.tokenize.segments import CacheStats
 from extproc.tokenize.workers import ProcessWorkers, ThreadWorkers, WorkerSetup
 from extproc.types import EndpointAddress
 
@@ -85,7 +86,7 @@ class PrefixRouting:
     def start(self) -> None:
         self.follower.start()
         self.parity.start()
-        if self.tokenize_pool is not None and isinstance(self.tokenize_pool.workers, ProcessWorkers):
+        if self.tokenize_pool is not None:
             self.tokenize_pool.workers.start()
 
     async def close(self) -> None:
@@ -167,7 +168,7 @@ class PrefixCollector(Collector):
             )
             for reason, count in pool.fallbacks.items():
                 fallbacks.add_metric([reason], count)
-            if isinstance(pool.workers, ProcessWorkers):
+            if pool.in_processes:
                 fallbacks.add_metric(["worker_lost"], pool.workers.lost)
             yield fallbacks
             yield GaugeMetricFamily(
@@ -184,20 +185,19 @@ class PrefixCollector(Collector):
         held = GaugeMetricFamily(
             "extproc_tokenize_cache_bytes", "Bytes a model's prompt-piece cache holds.", labels=["model"]
         )
-        processes = pool.workers if pool is not None and isinstance(pool.workers, ProcessWorkers) else None
         for model in r.tokenizers.models():
             entry = r.tokenizers.get(model)
             cache = None if entry is None else entry.tokenizer.segment_cache
             if cache is not None:
-                hits, misses, held_bytes = cache.stats.hits, cache.stats.misses, cache.bytes
-                # Long prompts are tokenized (and their pieces cached) in the worker processes.
-                in_workers = None if processes is None else processes.cache_totals(model)
+                stats, held_bytes = CacheStats(), cache.bytes
+                stats.add(cache.stats)
+                # With worker processes, long prompts' pieces are cached there.
+                in_workers = None if pool is None else pool.workers.cache_totals(model)
                 if in_workers is not None:
-                    stats, worker_bytes = in_workers
-                    hits, misses = hits + stats.hits, misses + stats.misses
-                    held_bytes += worker_bytes
-                lookups_cached.add_metric([model, "hit"], hits)
-                lookups_cached.add_metric([model, "miss"], misses)
+                    stats.add(in_workers[0])
+                    held_bytes += in_workers[1]
+                lookups_cached.add_metric([model, "hit"], stats.hits)
+                lookups_cached.add_metric([model, "miss"], stats.misses)
                 held.add_metric([model], held_bytes)
         yield lookups_cached
         yield held

@@ -75,6 +75,12 @@ class CacheStats:
     misses: int = 0
     evictions: int = 0
 
+    def add(self, other: CacheStats) -> None:
+        """Count ``other``'s lookups too (several caches reported as one)."""
+        self.hits += other.hits
+        self.misses += other.misses
+        self.evictions += other.evictions
+
 
 class SegmentCache:
     """Piece text -> its ids, least recently used out past ``max_bytes``."""

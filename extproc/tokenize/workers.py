@@ -50,6 +50,16 @@ class ThreadWorkers:
         self.count = threads or os.cpu_count() or 1
         self._executor: ThreadPoolExecutor | None = None
 
+    #: Threads never die on their own (the counterpart of :attr:`ProcessWorkers.lost`).
+    lost = 0
+
+    def start(self) -> None:
+        """Nothing to start: threads are made on the first call."""
+
+    def cache_totals(self, model: str) -> tuple[CacheStats, int] | None:
+        """None: threads use this process's own caches, reported with its tokenizers."""
+        return None
+
     def submit(self, call: Callable[[], T], affinity: bytes = b"") -> Future[T]:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self.count, thread_name_prefix="tokenize")
@@ -161,10 +171,10 @@ class ProcessWorkers:
         if not reported and retired is None:
             return None
         total = CacheStats()
-        for stats in [*(stats for stats, _ in reported), *([retired] if retired else [])]:
-            total.hits += stats.hits
-            total.misses += stats.misses
-            total.evictions += stats.evictions
+        for stats, _ in reported:
+            total.add(stats)
+        if retired is not None:
+            total.add(retired)
         return total, sum(held for _, held in reported)
 
     def _choose(self, affinity: bytes) -> int:
@@ -189,9 +199,7 @@ class ProcessWorkers:
                 return  # already replaced
             self._executors[worker] = None
             for model, (stats, _) in self.cache[worker].items():
-                kept = self._retired.setdefault(model, CacheStats())
-                kept.hits, kept.misses = kept.hits + stats.hits, kept.misses + stats.misses
-                kept.evictions += stats.evictions
+                self._retired.setdefault(model, CacheStats()).add(stats)
             self.cache[worker] = {}
 
     def _done(self, worker: int, executor: ProcessPoolExecutor, future: Future[Any]) -> None:
