@@ -75,8 +75,6 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                     return
                 for response in responses:
                     yield response
-                if isinstance(stream, RequestStream) and stream.finished:
-                    return  # ended by us, gracefully (see RequestStream.finished)
         except DecodeError:
             # Not a ProcessingRequest at all (raised by the iterator): Envoy never sends one, so
             # whoever did gets a gRPC error naming the problem, counted, logged once a minute.

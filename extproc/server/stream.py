@@ -140,23 +140,11 @@ class RequestStream:
         self._subset: frozenset[str] | None = None
         self._body = bytearray()
         self._done = False
-        #: Nothing further Envoy sends on this stream needs us (see :attr:`finished`).
-        self._finished = False
         self.lease: Lease | None = None
         #: The addresses our answer named (the pick and its fallbacks): the only ones a report on
         #: this stream may mark, so whatever reaches the gRPC port cannot take others out of
         #: rotation.
         self._picked: frozenset[str] = frozenset()
-
-    @property
-    def finished(self) -> bool:
-        """True once we answered the response headers, or the request with an answer of our own.
-
-        The stream is then ended from our side: otherwise Envoy often resets it when the request
-        completes first, and grpcio's asyncio server leaks ~100 bytes of native memory for every
-        stream reset while it waits for a message (grpc/grpc#43360; bench/results/grpc_resets.md).
-        """
-        return self._finished
 
     @property
     def request_id(self) -> str:
@@ -177,7 +165,6 @@ class RequestStream:
                 return self._on_request_trailers()
             if kind == "response_headers":
                 self._check_upstream(request)
-                self._finished = True
             return self._on_response(kind)
         except RequestError as error:
             return self._reject(error)
@@ -381,12 +368,12 @@ class RequestStream:
     # -- answers of our own -------------------------------------------------------------------
 
     def _answer(self, body: bytes) -> Responses:
-        self._done = self._finished = True
+        self._done = True
         self._metrics.requests.labels("answered").inc()
         return [messages.immediate_response(200, body)]
 
     def _reject(self, error: RequestError) -> Responses:
-        self._done = self._finished = True
+        self._done = True
         self._metrics.requests.labels(error.code).inc()
         log.info(
             "rejected request_id=%s status=%d code=%s reason=%s",
