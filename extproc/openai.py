@@ -140,6 +140,9 @@ class InferenceRequest:
     payload: dict[str, Any] = field(repr=False)
     #: The body as it came (b"" when built from a decoded one), for tokenizing in another process.
     body: bytes = field(default=b"", repr=False)
+    #: ``cache_salt``: the engines cache this prompt apart from every other salt (see
+    #: :func:`cache_salt`); None when absent or empty.
+    cache_salt: str | None = None
 
     def read_prompt(self) -> Prompt | None:
         """The prompt, read the way the engine reads it; None for kinds without one.
@@ -184,7 +187,21 @@ def read_request(path: str, payload: object, *, body: bytes = b"") -> InferenceR
         prefix_text=prefix_text(kind, payload),
         payload=payload,
         body=body,
+        cache_salt=cache_salt(payload),
     )
+
+
+def cache_salt(payload: Mapping[str, Any]) -> str | None:
+    """The request's ``cache_salt`` as both engines key their caches by it; None for none.
+
+    A string salts the prompt; ``""`` is no salt (SGLang reads it so; vLLM refuses it). SGLang also
+    takes a list, one salt per prompt of a batched completion: the first prompt's, the one we route
+    by. Anything else is the engine's to refuse, and routes as unsalted.
+    """
+    value = payload.get("cache_salt")
+    if isinstance(value, list) and value:
+        value = value[0]
+    return value if isinstance(value, str) and value else None
 
 
 def _max_tokens(payload: Mapping[str, Any]) -> int | None:

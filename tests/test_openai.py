@@ -183,6 +183,23 @@ def test_unreadable_prompts_are_bad_requests_only_when_read(
         request.read_prompt()
 
 
+@pytest.mark.parametrize(
+    ("salt", "expected"),
+    [
+        ("tenant-a", "tenant-a"),
+        ("", None),
+        (["tenant-b", "tenant-c"], "tenant-b"),
+        ([], None),
+        (7, None),
+        (None, None),
+    ],
+)
+def test_cache_salt_is_read_as_the_engines_read_it(salt: Any, expected: str | None) -> None:
+    """A string salts; an empty one does not; a batched completion's list gives its first prompt's."""
+    payload = {"model": "m", "prompt": "hello", **({} if salt is None else {"cache_salt": salt})}
+    assert read_request("/v1/completions", payload).cache_salt == expected
+
+
 def test_other_paths_have_no_prompt() -> None:
     """Embeddings and the like are routed by model; messages still give approximate text."""
     request = read_request("/v1/embeddings", {"model": "m", "input": "x"})

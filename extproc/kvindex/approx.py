@@ -22,9 +22,13 @@ CHARS_PER_TOKEN = 4
 _MASK = (1 << 60) - 1
 
 
-def text_keys(text: str, *, namespace: str, max_blocks: int) -> list[int]:
-    """Chained keys of the full ``CHARS_PER_BLOCK`` chunks of ``text`` (at most ``max_blocks``)."""
-    key = hash(("extproc.kvindex.approx", namespace)) & _MASK
+def text_keys(text: str, *, namespace: str, max_blocks: int, cache_salt: str | None = None) -> list[int]:
+    """Chained keys of the full ``CHARS_PER_BLOCK`` chunks of ``text`` (at most ``max_blocks``).
+
+    A ``cache_salt`` starts another chain: engines never share a salted prompt's cache with any
+    other salt, so neither does our memory of where prompts went.
+    """
+    key = hash(("extproc.kvindex.approx", namespace, cache_salt)) & _MASK
     keys: list[int] = []
     stop = min(len(text) // CHARS_PER_BLOCK, max_blocks) * CHARS_PER_BLOCK
     for start in range(0, stop, CHARS_PER_BLOCK):
@@ -46,8 +50,11 @@ class ApproxPrefixIndex:
     def __len__(self) -> int:
         return len(self._holders)
 
-    def keys(self, text: str, namespace: str) -> list[int]:
-        return text_keys(text, namespace=namespace, max_blocks=self.max_blocks_per_request)
+    def keys(self, text: str, namespace: str, cache_salt: str | None = None) -> list[int]:
+        """Chunk keys of ``text`` in a model's namespace; a salted prompt only meets its own salt."""
+        return text_keys(
+            text, namespace=namespace, max_blocks=self.max_blocks_per_request, cache_salt=cache_salt
+        )
 
     def match(self, keys: Sequence[int], endpoints: Iterable[EndpointAddress]) -> dict[EndpointAddress, int]:
         """Leading blocks each endpoint was sent, in approximate *tokens*."""

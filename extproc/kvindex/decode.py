@@ -14,6 +14,8 @@ The wire (reference §1.3-§1.5): a batch is a msgpack array ``[ts, events]`` (v
 - events of a secondary KV-cache group of a hybrid model (sliding window, mamba, ...: a
   ``kv_cache_spec_kind`` that is not full/MLA attention, or ``group_idx`` > 0 without a kind) are
   left out and counted in :attr:`DecodedBatch.ignored`, as Dynamo does;
+- a salted prompt's first blocks carry its ``cache_salt``: SGLang names it (``cache_salt``), vLLM
+  (0.17+) puts it in the first block's ``extra_keys`` entry (see :func:`vllm_salt`);
 - only a batch that is unusable as a whole raises :class:`KVDecodeError`: not msgpack, not an array
   of at least 2 elements, ``ts`` not a number, or ``events`` not an array.
 
@@ -97,8 +99,11 @@ class _MapStored(msgspec.Struct, gc=False, tag_field="type", tag="BlockStored"):
     parent_block_hash: WireHash | None = None
     medium: str | None = None
     lora_name: str | None = None
+    extra_keys: msgspec.Raw = _NIL
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
+    #: SGLang only.
+    cache_salt: str | None = None
 
 
 class _MapRemoved(msgspec.Struct, gc=False, tag_field="type", tag="BlockRemoved"):
@@ -218,6 +223,12 @@ def _to_domain(wire_events: list[Any]) -> tuple[list[KVEvent], int, int]:
                 invalid += 1
                 continue
             parent = wire.parent_block_hash
+            salt = None
+            if parent is None:
+                # Only a chain's first block needs the salt: later ones chain from its key.
+                salt = getattr(wire, "cache_salt", None)
+                if salt is None and len(wire.extra_keys) > 1:  # nil or [] is 1 byte
+                    salt = vllm_salt(wire.extra_keys, wire.lora_name)
             append(
                 BlockStored(
                     hashes,
@@ -226,6 +237,7 @@ def _to_domain(wire_events: list[Any]) -> tuple[list[KVEvent], int, int]:
                     wire.block_size,
                     wire.lora_name,
                     wire.medium,
+                    salt or None,
                 )
             )
         elif type(wire) is _MapRemoved or type(wire) is _ArrayRemoved:
@@ -236,6 +248,28 @@ def _to_domain(wire_events: list[Any]) -> tuple[list[KVEvent], int, int]:
         else:
             append(AllBlocksCleared())
     return events, invalid, ignored
+
+
+def vllm_salt(extra_keys: msgspec.Raw, lora_name: str | None) -> str | None:
+    """The ``cache_salt`` in a vLLM event's ``extra_keys`` (reference §2.1), for its first block.
+
+    ``extra_keys`` has one entry per block hash: nil, or the block's extra hash keys in vLLM's
+    order: LoRA name, multimodal items, cache salt, prompt-embeds digest, untagged (0.31+ strips
+    the tags it hashes with). The salt is the first block's last string that is not the LoRA name.
+    Multimodal items are ``[id, offset]`` pairs from 0.19 and are passed over; a bare image id
+    (0.17-0.18) or an embeds digest read as a salt keeps those blocks from matching plain-text
+    prompts, which is right: our keys cannot see images or embeddings. Anything unreadable: None.
+    """
+    try:
+        entries = msgspec.msgpack.decode(extra_keys)
+    except Exception:  # not ours to refuse: the blocks still index, unsalted
+        return None
+    if not isinstance(entries, list) or not entries or not isinstance(entries[0], list):
+        return None
+    strings = [item for item in entries[0] if isinstance(item, str)]
+    if lora_name is not None and lora_name in strings:
+        strings.remove(lora_name)
+    return strings[-1] if strings else None
 
 
 def _main_group(group_idx: int | None, kind: str | None) -> bool:

@@ -65,6 +65,9 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
     lora_name: str | None = None
     #: Cache tier: None or "GPU" for the GPU pool, "CPU", "STORAGE", ... for offload tiers.
     medium: str | None = None
+    #: The ``cache_salt`` the chain was stored under (first blocks only: a continuation chains from
+    #: its parent, salted already); None for unsalted prompts.
+    cache_salt: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, gc=False):

@@ -144,7 +144,10 @@ class PrefixIndex:
             return
         parent = event.parent_engine_hash
         if parent is None:
-            seed = state.seed if event.lora_name is None else namespace_seed(event.lora_name)
+            if event.lora_name is None and event.cache_salt is None:
+                seed = state.seed
+            else:
+                seed = namespace_seed(event.lora_name or state.namespace, event.cache_salt)
             keys = block_keys(tokens, state.block_size, seed)
         else:
             parent &= KEY_MASK

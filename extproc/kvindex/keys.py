@@ -7,7 +7,12 @@ function, so both sides agree by construction.
     key[0] = H(seed, tokens[0:B]),   key[i] = H(key[i-1], tokens[i*B:(i+1)*B]),   H = 60-bit hash
 
 ``seed`` comes from the namespace: the base model's name, or the LoRA adapter's name for events and
-requests that use one (``model`` in an OpenAI request names either, so the two share one space).
+requests that use one (``model`` in an OpenAI request names either, so the two share one space),
+plus the request's ``cache_salt`` when it has one. Both engines make a salted prompt's blocks
+unreachable from any other salt: vLLM puts the salt in the first block's extra keys (so every later
+block's chained hash differs), SGLang seeds the whole page chain with it. A salted seed does the same
+to our keys, so a salted request matches only blocks stored under its own salt, and an unsalted one
+never matches salted blocks. An empty salt is no salt (SGLang reads ``""`` as none; vLLM refuses it).
 A partial tail (fewer than B tokens) has no key: engines never cache it either.
 
 H is CPython's tuple hash of ``(parent, tokens_tuple)`` folded to 60 bits. Measured per 16-token
@@ -37,9 +42,11 @@ KEY_MASK: Final = (1 << 60) - 1
 _SEED_SALT: Final = "extproc.kvindex.keys/v1"
 
 
-def namespace_seed(model_or_lora: str) -> int:
-    """The chain seed of a key namespace (a base model name or a LoRA adapter name)."""
-    return hash((_SEED_SALT, model_or_lora)) & KEY_MASK
+def namespace_seed(model_or_lora: str, cache_salt: str | None = None) -> int:
+    """The chain seed of a key namespace: a base model or LoRA adapter name, and a cache salt."""
+    if not cache_salt:
+        return hash((_SEED_SALT, model_or_lora)) & KEY_MASK
+    return hash((_SEED_SALT, model_or_lora, cache_salt)) & KEY_MASK
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, seed: int, parent: int | None = None) -> list[int]:

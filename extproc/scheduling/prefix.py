@@ -149,7 +149,8 @@ class PrefixScorer:
     ) -> Tokenized:
         """The body handed to a worker process whole: it parses, renders and encodes it there."""
         assert self.pool is not None
-        keyer = functools.partial(keys_by_block_size, namespace_seed(model), block_sizes)
+        seed = namespace_seed(model, request.cache_salt)
+        keyer = functools.partial(keys_by_block_size, seed, block_sizes)
         call = functools.partial(body_ids, model, request.path, request.body, keyer)
         answer = await self.pool.run(call, affinity=request.body[:AFFINITY_BYTES])
         if answer is None or answer.ids is None:
@@ -189,9 +190,8 @@ class PrefixScorer:
             tokens = self._tokens(route.upstream_model, request)
         if tokens is not None:
             mode = "precise"
-            self._match_precise(
-                catalog, route.upstream_model, tokens, known_keys, precise, cached, ranks, lower
-            )
+            seed = namespace_seed(route.upstream_model, request.cache_salt)
+            self._match_precise(catalog, seed, tokens, known_keys, precise, cached, ranks, lower)
         else:
             rest = list(candidates)
         keys: list[int] = []
@@ -201,7 +201,7 @@ class PrefixScorer:
             if text is not None:
                 if prompt_tokens is None:
                     prompt_tokens = len(text) // CHARS_PER_TOKEN
-                keys = self.approx.keys(text, route.upstream_model)
+                keys = self.approx.keys(text, route.upstream_model, request.cache_salt)
                 mode = "approximate" if mode == "none" else mode
                 cached.update(self.approx.match(keys, [e.address for e in rest]))
         self.counters.lookups[mode] += 1
@@ -239,7 +239,7 @@ class PrefixScorer:
     def _match_precise(
         self,
         catalog: Catalog,
-        model: str,
+        seed: int,
         tokens: Sequence[int],
         known_keys: Mapping[int, Sequence[int]],
         endpoints: list[Endpoint],
@@ -253,7 +253,6 @@ class PrefixScorer:
         balancer still spreads requests that no rank has cached. When any engine offloads to a lower
         tier, ``lower`` gets, for that rank, the tokens an offload tier holds past the GPU hit.
         """
-        seed = namespace_seed(model)
         groups: dict[int, list[Source]] = {}
         multi_rank: set[EndpointAddress] = set()
         for endpoint in endpoints:

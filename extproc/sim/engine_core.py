@@ -138,6 +138,8 @@ class SimRequest:
     arrival_time: float = 0.0
     #: Copied onto the last output: the HTTP layer knows whether its tokens end in a stop or a length.
     finish_reason: str | None = None
+    #: Salts the first block's hash (vLLM's ``cache_salt``): no other salt shares these blocks.
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -197,7 +199,7 @@ class _Req:
         self.output_token_ids = req.output_token_ids
         self.tokens = list(req.prompt_token_ids)
         self.hashes: list[bytes] = []
-        extend_block_hashes(self.hashes, self.tokens, block_size, req.lora_name)
+        extend_block_hashes(self.hashes, self.tokens, block_size, req.lora_name, req.cache_salt)
         self.num_computed = 0
         #: Tokens the held blocks can take (a multiple of block_size); avoids a cache call per step.
         self.capacity = 0
@@ -414,6 +416,7 @@ class EngineCore:
                         held,
                         lora_name=req.lora_name,
                         lora_id=req.lora_id,
+                        cache_salt=req.cache_salt,
                         num_loaded_blocks=loaded,
                     ):
                         break
@@ -423,7 +426,13 @@ class EngineCore:
                     continue
                 n = min(num_tokens - hit, budget)
                 if not cache.allocate(
-                    r.request_id, r.hashes, hit_blocks, hit + n, lora_name=req.lora_name, lora_id=req.lora_id
+                    r.request_id,
+                    r.hashes,
+                    hit_blocks,
+                    hit + n,
+                    lora_name=req.lora_name,
+                    lora_id=req.lora_id,
+                    cache_salt=req.cache_salt,
                 ):
                     break  # head-of-line: later requests wait too, like vLLM
                 self._record_admission(r, num_tokens, hit, 0)
@@ -490,7 +499,7 @@ class EngineCore:
                     out.finish_reason = r.req.finish_reason
                     finished.append(r)
                 if not len(tokens) % block_size:
-                    extend_block_hashes(r.hashes, tokens, block_size, r.req.lora_name)
+                    extend_block_hashes(r.hashes, tokens, block_size, r.req.lora_name, r.req.cache_salt)
             if n >= block_size or computed % block_size < n:  # a block boundary was crossed
                 cache.cache_blocks(r.request_id, r.hashes, tokens, computed)
         self.generation_tokens += len(outputs)

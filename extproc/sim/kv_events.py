@@ -5,9 +5,10 @@ them into the exact bytes vLLM publishes. Hashes are kept as 32-byte digests, th
 >= 0.10.2 keeps ``BlockHash`` internally; the wire encoder turns them into uint64 (vLLM's default,
 the last 8 bytes read big-endian) or leaves them as bytes.
 
-Fields vLLM has but a simulated GPU pool never fills (``extra_keys``, ``kv_cache_spec_kind``,
+Fields vLLM has but a simulated GPU pool never fills (``kv_cache_spec_kind``,
 ``kv_cache_spec_sliding_window``, ...) are not modelled here; the encoder writes them with the
-values vLLM's GPU pool sends (nil, and ``group_idx`` 0).
+values vLLM's GPU pool sends (nil, and ``group_idx`` 0). ``extra_keys`` is written only for a
+salted chain's first event (the salt is all it would carry here).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class BlockStored:
     lora_id: int | None
     lora_name: str | None
     medium: str = MEDIUM_GPU
+    #: The storing request's ``cache_salt`` (its first block's hash includes it).
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

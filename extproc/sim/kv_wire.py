@@ -153,6 +153,7 @@ def _to_struct(event: KVEvent, structs: tuple[type[Any], type[Any], type[Any]], 
             lora_id=event.lora_id,
             medium=event.medium,
             lora_name=event.lora_name,
+            extra_keys=_extra_keys(event),
             group_idx=_GROUP_IDX,
         )
     if isinstance(event, BlockRemoved):
@@ -164,6 +165,19 @@ def _to_struct(event: KVEvent, structs: tuple[type[Any], type[Any], type[Any]], 
     if isinstance(event, AllBlocksCleared):
         return cleared_cls()
     raise TypeError(f"not a KV event: {event!r}")
+
+
+def _extra_keys(event: BlockStored) -> list[Any] | None:
+    """vLLM's per-block ``extra_keys`` for a salted chain's first event, else nil.
+
+    Untagged, as 0.31+ publishes them (reference §2.1): the LoRA name on every block, the salt on the
+    first. Unsalted events stay nil: a simulated pool has no images or embeddings, and the LoRA
+    name has its own field.
+    """
+    if event.cache_salt is None or event.parent_block_hash is not None:
+        return None
+    lora = [] if event.lora_name is None else [event.lora_name]
+    return [[*lora, event.cache_salt]] + [lora or None for _ in event.block_hashes[1:]]
 
 
 def encode_batch(

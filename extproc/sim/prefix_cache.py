@@ -42,21 +42,31 @@ def none_hash(seed: str = DEFAULT_HASH_SEED) -> bytes:
 NONE_HASH = none_hash()
 
 
-def block_hash(parent: bytes | None, token_ids: Sequence[int], lora_name: str | None) -> bytes:
+def block_hash(
+    parent: bytes | None, token_ids: Sequence[int], lora_name: str | None, cache_salt: str | None = None
+) -> bytes:
     """The 32-byte digest of one full block, chained on its parent's digest.
 
-    Layout: parent (or NONE_HASH), token count and tokens as little-endian uint32, then the LoRA name
-    as the extra key. The count prefix keeps the encoding unambiguous whatever the LoRA name.
+    Layout: parent (or NONE_HASH), token count and tokens as little-endian uint32, then the extra
+    keys: the LoRA name, and on the first block only the cache salt (as vLLM). The count prefix and
+    the length-prefixed extras keep the encoding unambiguous whatever the names.
     """
     digest = hashlib.sha256(NONE_HASH if parent is None else parent)
     digest.update(struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids))
     if lora_name is not None:
         digest.update(b"lora\x00" + lora_name.encode())
+    if cache_salt is not None and parent is None:
+        salt = cache_salt.encode()
+        digest.update(b"salt\x00" + struct.pack("<I", len(salt)) + salt)
     return digest.digest()
 
 
 def extend_block_hashes(
-    hashes: list[bytes], token_ids: Sequence[int], block_size: int, lora_name: str | None
+    hashes: list[bytes],
+    token_ids: Sequence[int],
+    block_size: int,
+    lora_name: str | None,
+    cache_salt: str | None = None,
 ) -> None:
     """Append the digests of the full blocks of ``token_ids`` that ``hashes`` does not cover yet.
 
@@ -65,7 +75,7 @@ def extend_block_hashes(
     parent = hashes[-1] if hashes else None
     for index in range(len(hashes), len(token_ids) // block_size):
         start = index * block_size
-        parent = block_hash(parent, token_ids[start : start + block_size], lora_name)
+        parent = block_hash(parent, token_ids[start : start + block_size], lora_name, cache_salt)
         hashes.append(parent)
 
 
@@ -78,6 +88,7 @@ class _Seq:
     num_cached: int
     lora_name: str | None
     lora_id: int | None
+    cache_salt: str | None
     #: Leading offloaded (published-size) blocks already stored to, or loaded from, the CPU tier.
     num_offloaded: int = 0
     #: CPU-tier keys this request is loading (pinned there until :meth:`PrefixCache.finish_load`).
@@ -218,6 +229,7 @@ class PrefixCache:
         *,
         lora_name: str | None = None,
         lora_id: int | None = None,
+        cache_salt: str | None = None,
         num_loaded_blocks: int = 0,
     ) -> bool:
         """Give a new request its cache hits plus new blocks for ``num_tokens`` tokens in total.
@@ -239,7 +251,7 @@ class PrefixCache:
                 del self._free[block]
             self._ref[block] += 1
         hit_blocks.extend(self._pop_free() for _ in range(needed))
-        seq = _Seq(hit_blocks, num_hit_blocks, lora_name, lora_id)
+        seq = _Seq(hit_blocks, num_hit_blocks, lora_name, lora_id, cache_salt)
         self._seqs[request_id] = seq
         if self.cpu is not None:
             if num_loaded_blocks:
@@ -317,6 +329,7 @@ class PrefixCache:
                 block_size=size,
                 lora_id=seq.lora_id,
                 lora_name=seq.lora_name,
+                cache_salt=seq.cache_salt,
             )
         )
 
@@ -436,6 +449,7 @@ class GroupPublisher:
             block_size=span,
             lora_id=seq.lora_id,
             lora_name=seq.lora_name,
+            cache_salt=seq.cache_salt,
         )
 
     def evicted(self, block: int) -> list[BlockRemoved]:

@@ -67,6 +67,8 @@ class Generation:
     finish_reason: str
     stream: bool
     include_usage: bool
+    #: ``cache_salt``: this prompt's blocks are cached apart from every other salt's.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +171,17 @@ def _generation(
     include_usage = bool(options.get("include_usage", False))
     if include_usage and not stream:
         raise SimRequestError(400, "Stream options can only be defined when `stream=True`.")
-    return Generation(model, tuple(prompt_ids), output, reason, stream, include_usage)
+    return Generation(model, tuple(prompt_ids), output, reason, stream, include_usage, _cache_salt(body))
+
+
+def _cache_salt(body: Mapping[str, Any]) -> str | None:
+    """vLLM's rule: ``cache_salt``, when given, is a non-empty string."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise SimRequestError(
+            400, "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt"
+        )
+    return salt
 
 
 def _object(body: Any) -> dict[str, Any]:

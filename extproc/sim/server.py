@@ -178,6 +178,7 @@ class SimServer:
             output_token_ids=outputs,
             lora_name=gen.model.lora_name,
             lora_id=gen.model.lora_id,
+            cache_salt=gen.cache_salt,
             finish_reason=gen.finish_reason,
         )
         return Run(request_id, rank.loop.submit(request), self.tokenizer)

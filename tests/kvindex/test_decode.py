@@ -308,6 +308,52 @@ def test_malformed_events_are_skipped_and_counted(event: Any) -> None:
     assert batch.events == [BlockStored((9,), None, TOKENS[:16], 16, None, "GPU")] * 2
 
 
+def salted_map(extra_keys: Any = None, **fields: Any) -> dict[str, Any]:
+    return {**stored_map([5, 6], tokens=TOKENS), "extra_keys": extra_keys, **fields}
+
+
+@pytest.mark.parametrize(
+    ("event", "salt"),
+    [
+        (salted_map(cache_salt="tenant-a"), "tenant-a"),
+        (salted_map(cache_salt=""), None),
+        (salted_map([["tenant-a"], None]), "tenant-a"),
+        (salted_map([["sql-lora", "tenant-a"], ["sql-lora"]], lora_name="sql-lora"), "tenant-a"),
+        (salted_map([["sql-lora"], ["sql-lora"]], lora_name="sql-lora"), None),
+        (salted_map([[["mm-abc", 0], "tenant-a"], [["mm-abc", 16]]]), "tenant-a"),
+        (salted_map([None, None]), None),
+        (salted_map([[7]]), None),
+        (salted_map("not-a-list"), None),
+        (salted_map([["tenant-a"], None], parent_block_hash=4), None),
+        ([*stored_array([5, 6])[:8], [["tenant-a"], None], 0], "tenant-a"),
+    ],
+    ids=[
+        "sglang-field", "sglang-empty", "vllm-extra-keys", "vllm-lora-then-salt", "vllm-lora-only",
+        "vllm-image-pair-then-salt", "vllm-nil-entries", "vllm-old-int-lora", "vllm-garbage",
+        "continuation-chains-from-parent", "vllm-array-form",
+    ],
+)  # fmt: skip
+def test_the_cache_salt_of_a_chains_first_blocks_is_read_from_either_engine(
+    event: Any, salt: str | None
+) -> None:
+    """SGLang names the salt; vLLM puts it in the first block's extra keys; both reach the index."""
+    batch = decode_batch(pack(0.0, [event], 0))
+    assert batch.skipped == 0
+    (got,) = batch.events
+    assert isinstance(got, BlockStored) and got.engine_hashes == (5, 6)
+    assert got.cache_salt == salt
+
+
+def test_salted_events_from_the_simulator_decode_with_their_salt() -> None:
+    first = sim.BlockStored((D1, D2), None, TOKENS, 16, 1, "sql-lora", cache_salt="tenant-a")
+    rest = sim.BlockStored((D3,), D2, TOKENS[:16], 16, 1, "sql-lora", cache_salt="tenant-a")
+    for encoding in ("arrays", "maps"):
+        payload = encode_batch([first, rest], ts=1.0, dp_rank=0, encoding=encoding, hash_format="int")
+        assert [e.cache_salt for e in decode_batch(payload).events] == ["tenant-a", None]  # type: ignore[union-attr]
+        (ref, _) = reference_decode(payload).events
+        assert ref["extra_keys"] == [["sql-lora", "tenant-a"], ["sql-lora"]]
+
+
 @pytest.mark.parametrize(
     ("payload", "message"),
     [

@@ -150,6 +150,23 @@ def test_lora_blocks_live_in_the_adapters_namespace() -> None:
     assert index.match(lora_keys) == {A: 4, B: 0}
 
 
+def test_salted_blocks_match_only_requests_with_the_same_salt() -> None:
+    """``cache_salt`` keeps a prompt's cache apart: another salt, or none, matches none of it."""
+    index = make_index(A, B)
+    salted = [2000 + i for i in range(8)]  # the engine's hashes differ under a salt
+    apply(index, A, BlockStored(tuple(salted[:3]), None, DOC[:48], 16, None, None, "tenant-a"))
+    apply(index, A, BlockStored((salted[3],), salted[2], DOC[48:64], 16))  # continuation: no salt field
+    apply(index, B, stored(0, 2))
+    keys_a = block_keys(DOC, 16, namespace_seed(MODEL, "tenant-a"))
+    assert index.match(keys_a) == {A: 4, B: 0}
+    assert index.match(KEYS) == {A: 0, B: 2}
+    assert index.match(block_keys(DOC, 16, namespace_seed(MODEL, "tenant-b"))) == {A: 0, B: 0}
+    # With a LoRA adapter the salt applies within the adapter's namespace.
+    apply(index, B, BlockStored((3000,), None, DOC[:16], 16, "sql-lora", None, "tenant-a"))
+    assert index.match(block_keys(DOC, 16, namespace_seed("sql-lora", "tenant-a"))) == {A: 0, B: 1}
+    assert namespace_seed(MODEL, "") == namespace_seed(MODEL)  # an empty salt is no salt
+
+
 def test_match_stops_at_the_first_missing_block() -> None:
     """A source holding blocks 0, 1 and 3 matches 2: only leading consecutive blocks count."""
     index = make_index(A, B)

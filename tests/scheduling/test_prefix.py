@@ -138,6 +138,7 @@ class Router:
         engine_block: int = 16,
         first: int = 0,
         medium: str = "GPU",
+        salt: str | None = None,
     ) -> None:
         """The engine at ``address`` cached engine blocks ``first`` to ``blocks - 1`` of ``tokens``
         (vLLM's bytes hashes) on ``medium``."""
@@ -151,6 +152,7 @@ class Router:
                 None,
                 None,
                 medium=medium,
+                cache_salt=salt,
             )
             for i in range(first, blocks)
         ]
@@ -198,6 +200,34 @@ def test_precise_counts_only_the_leading_blocks_the_prompt_shares(path: str, pay
         BIG: 0,
         PLAIN: 0,
     }
+
+
+@pytest.mark.parametrize(("path", "payload"), PROMPTS, ids=PROMPT_IDS)
+def test_a_salted_prompt_is_credited_only_with_blocks_cached_under_its_salt(
+    path: str, payload: dict[str, Any]
+) -> None:
+    """Engines never serve a ``cache_salt`` request from another salt's blocks: we never count them."""
+    router = Router()
+    tokens = engine_tokens(path, payload)
+    router.feed(KV1, tokens, 5)  # unsalted
+    router.feed(KV2, tokens, 3, salt="tenant-a")  # vLLM's extra_keys carry the salt
+    assert router.match(LLAMA, path, payload).cached_tokens[KV1] == 5 * 16
+    assert router.match(LLAMA, path, payload).cached_tokens[KV2] == 0
+    salted = router.match(LLAMA, path, {**payload, "cache_salt": "tenant-a"})
+    assert salted.mode == "precise"
+    assert (salted.cached_tokens[KV1], salted.cached_tokens[KV2]) == (0, 3 * 16)
+    other = router.match(LLAMA, path, {**payload, "cache_salt": "tenant-b"})
+    assert (other.cached_tokens[KV1], other.cached_tokens[KV2]) == (0, 0)
+
+
+def test_approximate_affinity_keeps_salted_prompts_apart() -> None:
+    """Where we only remember our own decisions, a salted prompt follows only its own salt."""
+    router = Router()
+    first = router.match(QWEN, COMPLETIONS, {"prompt": LONG, "cache_salt": "tenant-a"})
+    router.scorer.record(first, Q1)
+    assert router.match(QWEN, COMPLETIONS, {"prompt": LONG, "cache_salt": "tenant-a"}).cached_tokens[Q1] > 0
+    assert router.match(QWEN, COMPLETIONS, {"prompt": LONG}).cached_tokens[Q1] == 0
+    assert router.match(QWEN, COMPLETIONS, {"prompt": LONG, "cache_salt": "tenant-b"}).cached_tokens[Q1] == 0
 
 
 def test_untokenizable_request_falls_back_to_approximate() -> None:
@@ -460,6 +490,10 @@ async def test_tokens_computed_in_a_worker_process_match_as_inline_ones(
         }
         match = router.scorer.match(router.catalog, route, request, route.endpoints, tokenized)
         assert match == router.match(LLAMA, path, payload)
+        # A salted body's keys come from the worker under the salted seed.
+        salted = parse_request(orjson.dumps({"model": LLAMA, "cache_salt": "t", **payload}), path=path)
+        salted_keys = (await router.scorer.prompt_tokens(route, salted, router.catalog)).keys
+        assert list(salted_keys[16]) == block_keys(tokens, 16, namespace_seed(LLAMA, "t"))
         # A body the engine would refuse is counted, and routed approximately.
         refused = parse_request(
             orjson.dumps({"model": LLAMA, "messages": [{"role": "user", "content": 42}]}), path=CHAT

@@ -144,6 +144,27 @@ async def test_cached_tokens_reported_when_enabled(sim: StartSim, http: aiohttp.
     assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 96}
 
 
+async def test_cache_salt_keeps_prompts_apart(sim: StartSim, http: aiohttp.ClientSession) -> None:
+    """As vLLM: a salted prompt hits only blocks cached under the same salt; an empty salt is refused."""
+    server = await sim(enable_prompt_tokens_details=True)
+    prompt = list(range(100, 200))
+
+    async def cached(**extra: Any) -> int:
+        status, answer = await post(
+            http, server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, **extra}
+        )
+        assert status == 200, answer
+        return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert await cached() == 0
+    assert await cached(cache_salt="tenant-a") == 0
+    assert await cached(cache_salt="tenant-a") == 96
+    assert await cached(cache_salt="tenant-b") == 0
+    assert await cached() == 96
+    status, answer = await post(http, server, "/v1/completions", {"prompt": prompt, "cache_salt": ""})
+    assert status == 400 and "cache_salt" in answer["error"]["message"]
+
+
 async def test_prefix_hits_show_in_metrics(sim: StartSim, http: aiohttp.ClientSession) -> None:
     """vllm:prefix_cache_{queries,hits}_total count tokens per engine, with vLLM's labels."""
     server = await sim(served_model_names=("llama",))
