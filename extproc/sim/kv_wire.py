@@ -1,4 +1,4 @@
-"""The exact bytes vLLM publishes for a batch of KV-cache events (pure; no sockets).
+"""The exact bytes vLLM, or SGLang, publishes for a batch of KV-cache events (pure; no sockets).
 
 vLLM encodes ``KVEventBatch`` msgspec Structs with a default ``msgspec.msgpack.Encoder()``. To be
 byte-for-byte identical we do the same with Structs that mirror vLLM's declarations, rather than
@@ -15,6 +15,13 @@ Two examples where a hand-rolled encoder (or the ``msgpack`` library) would diff
   vLLM 0.24-0.29 declared fewer fields and wrote a fixmap header (``8x``); decoders cannot tell.
 
 The batch itself is ``array_like`` in every version: ``[ts: float64, events, data_parallel_rank]``.
+
+SGLang 0.5.23 (``srt/disaggregation/kv_events.py``, ``srt/mem_cache/events.py``) publishes the same
+batch shell (``[ts, events, attn_dp_rank]``, the rank always filled in by its publisher) with its
+own ``BlockStored``: one event per page (``block_hashes`` of one hash, chained by
+``parent_block_hash``), ``lora_id`` always nil, the storing request's ``cache_salt`` on every page,
+media ``GPU`` / ``CPU_PINNED``, and each hash the *first* 8 bytes of the page's SHA-256 digest as a
+signed int64 (``hash_str_to_int64``). :data:`EventEncoding.SGLANG` writes exactly that.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ class EventEncoding(enum.StrEnum):
     ARRAYS = "arrays"
     #: vLLM >= 0.24: ``{"type": tag, ...}``; fields defaulting to nil are omitted when nil.
     MAPS = "maps"
+    #: SGLang 0.5: tagged maps with its own field set, one event per page, signed int64 hashes.
+    SGLANG = "sglang"
 
 
 class HashFormat(enum.StrEnum):
@@ -134,6 +143,73 @@ class _MapAllBlocksCleared(_MapEvent, tag="AllBlocksCleared"):
     pass
 
 
+class _SGLangEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """SGLang's ``KVCacheEvent``: a tagged map, optional fields omitted when nil."""
+
+
+class _SGLangBlockStored(_SGLangEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: Sequence[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
+
+
+class _SGLangBlockRemoved(_SGLangEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class _SGLangAllBlocksCleared(_SGLangEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _SGLangBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Any]
+    attn_dp_rank: int | None = None
+
+
+#: Our media as SGLang names its tiers (``StorageMedium``): host memory is ``CPU_PINNED``.
+_SGLANG_MEDIA = {"GPU": "GPU", "CPU": "CPU_PINNED"}
+
+
+def sglang_hash(digest: bytes) -> int:
+    """A page digest as SGLang publishes it: its first 8 bytes, big-endian, as a signed int64."""
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def _sglang_events(event: KVEvent) -> list[Any]:
+    if isinstance(event, BlockStored):
+        medium = _SGLANG_MEDIA.get(event.medium, event.medium)
+        size, parent, pages = event.block_size, event.parent_block_hash, []
+        for index, digest in enumerate(event.block_hashes):
+            pages.append(
+                _SGLangBlockStored(
+                    block_hashes=[sglang_hash(digest)],
+                    parent_block_hash=None if parent is None else sglang_hash(parent),
+                    token_ids=event.token_ids[index * size : (index + 1) * size],
+                    block_size=size,
+                    lora_id=None,
+                    medium=medium,
+                    cache_salt=event.cache_salt,
+                    lora_name=event.lora_name,
+                )
+            )
+            parent = digest
+        return pages
+    if isinstance(event, BlockRemoved):
+        medium = _SGLANG_MEDIA.get(event.medium, event.medium)
+        return [_SGLangBlockRemoved([sglang_hash(h) for h in event.block_hashes], medium)]
+    if isinstance(event, AllBlocksCleared):
+        return [_SGLangAllBlocksCleared()]
+    raise TypeError(f"not a KV event: {event!r}")
+
+
 _STRUCTS: dict[str, tuple[type[Any], type[Any], type[Any]]] = {
     EventEncoding.ARRAYS: (_ArrayBlockStored, _ArrayBlockRemoved, _ArrayAllBlocksCleared),
     EventEncoding.MAPS: (_MapBlockStored, _MapBlockRemoved, _MapAllBlocksCleared),
@@ -190,8 +266,12 @@ def encode_batch(
 ) -> bytes:
     """One engine step's events as the msgpack payload vLLM's ``ZmqEventPublisher`` sends.
 
-    ``ts`` is the step's wall-clock ``time.time()``; it is always written as a float64.
+    ``ts`` is the step's wall-clock ``time.time()``; it is always written as a float64. SGLang's
+    encoding has one hash form of its own: ``hash_format`` does not apply to it.
     """
+    if encoding == EventEncoding.SGLANG:
+        pages = [wire for event in events for wire in _sglang_events(event)]
+        return _ENCODER.encode(_SGLangBatch(ts=float(ts), events=pages, attn_dp_rank=dp_rank))
     try:
         structs = _STRUCTS[encoding]
     except KeyError:

@@ -463,3 +463,19 @@ def test_fuzz_never_raises_anything_but_kvdecodeerror(kind: str) -> None:
         except KVDecodeError:
             continue
         check_well_formed(batch)
+
+
+def test_decodes_what_an_sglang_engine_publishes() -> None:
+    """SGLang's pages (one event each, signed int64 hashes, salt on every page) chain as one prefix."""
+    salted = sim.BlockStored((D1, D2), None, TOKENS, 16, None, None, cache_salt="tenant-a")
+    payload = encode_batch(
+        [salted, sim.BlockRemoved((D2,))], ts=1.0, dp_rank=2, encoding="sglang", hash_format="int"
+    )
+    batch = decode_batch(payload)
+    head = [int.from_bytes(d[:8], "big") for d in (D1, D2)]
+    assert batch.dp_rank == 2 and batch.skipped == 0
+    assert batch.events == [
+        BlockStored((head[0],), None, TOKENS[:16], 16, None, "GPU", "tenant-a"),
+        BlockStored((head[1],), head[0], TOKENS[16:], 16, None, "GPU"),  # salt only where a chain starts
+        BlockRemoved((head[1],), "GPU"),
+    ]

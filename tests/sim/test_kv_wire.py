@@ -7,6 +7,7 @@ import struct
 from typing import Any
 
 import msgpack
+import msgspec
 import pytest
 
 from extproc.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -17,6 +18,8 @@ H1 = hashlib.sha256(b"a").digest()[:24] + b"\x11" * 8
 H2 = hashlib.sha256(b"b").digest()[:24] + b"\x22" * 8
 # Low 64 bits >= 2**63: must go out as msgpack uint64 (0xcf), not as a negative int64.
 HIGH = hashlib.sha256(b"c").digest()[:24] + b"\xf0" + bytes(range(7))
+# First 8 bytes >= 2**63: SGLang sends it as a negative int64.
+NEGATIVE = b"\xf1" + hashlib.sha256(b"d").digest()[1:]
 TOKENS = tuple(range(100, 132))
 STORED = BlockStored((H1, H2), None, TOKENS, 16, None, None)
 REMOVED = BlockRemoved((H1,))
@@ -118,7 +121,7 @@ def test_arrays_payload_matches_the_vllm_0_22_example() -> None:
     ]
 
 
-@pytest.mark.parametrize("encoding", list(EventEncoding), ids=str)
+@pytest.mark.parametrize("encoding", [EventEncoding.ARRAYS, EventEncoding.MAPS], ids=str)
 def test_hashes_at_or_above_2_63_are_uint64(encoding: str) -> None:
     """A low-64-bit value >= 2**63 is written with the 0xcf marker and decodes to the last 8 bytes."""
     payload = encode([BlockRemoved((HIGH,))], encoding)
@@ -130,7 +133,7 @@ def test_hashes_at_or_above_2_63_are_uint64(encoding: str) -> None:
     assert hashes == [value]
 
 
-@pytest.mark.parametrize("encoding", list(EventEncoding), ids=str)
+@pytest.mark.parametrize("encoding", [EventEncoding.ARRAYS, EventEncoding.MAPS], ids=str)
 def test_bytes_mode_sends_the_raw_digest_as_bin(encoding: str) -> None:
     """With int hashes off, hashes and parents are the 32-byte digests as msgpack bin 8."""
     payload = encode([BlockStored((H2,), H1, TOKENS[:16], 16, None, None)], encoding, hash_format="bytes")
@@ -193,3 +196,89 @@ def test_unknown_settings_are_rejected(encoding: str, hash_format: str) -> None:
     """A typo in the encoding or hash format fails loudly instead of sending something else."""
     with pytest.raises(ValueError, match="unknown"):
         encode([REMOVED], encoding, hash_format)
+
+
+# -- SGLang 0.5.23 ------------------------------------------------------------------------------------
+# The wire as SGLang's srt/disaggregation/kv_events.py declares it, written out independently here:
+# a positional batch, and tagged maps whose optional fields are left out when nil.
+
+
+class SGLangEvent(msgspec.Struct, omit_defaults=True, tag=True):
+    pass
+
+
+class SGLangStored(SGLangEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
+
+
+class SGLangRemoved(SGLangEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class SGLangCleared(SGLangEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class SGLangBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[SGLangStored | SGLangRemoved | SGLangCleared]
+    attn_dp_rank: int | None = None
+
+
+def signed_head(digest: bytes) -> int:
+    """SGLang's ``hash_str_to_int64``: the hex digest's first 16 characters, as a signed int64."""
+    value = int(digest.hex()[:16], 16)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def test_sglang_payload_is_what_sglangs_own_structs_encode() -> None:
+    """Decoded with SGLang's declarations and encoded again, the payload is byte for byte the same."""
+    salted = BlockStored((H1, NEGATIVE), None, TOKENS, 16, 2, "sql-lora", cache_salt="tenant-a")
+    cpu = BlockStored((H2,), None, TOKENS[:16], 16, None, None, medium="CPU")
+    events: list[KVEvent] = [STORED, salted, REMOVED, cpu, AllBlocksCleared()]
+    payload = encode_batch(events, ts=2.5, dp_rank=3, encoding="sglang", hash_format="int")
+    batch = msgspec.msgpack.decode(payload, type=SGLangBatch)
+    assert msgspec.msgpack.encode(batch) == payload
+    assert (batch.ts, batch.attn_dp_rank) == (2.5, 3)
+    # One BlockStored per page, chained; hashes are the digests' first 8 bytes, signed.
+    assert batch.events == [
+        SGLangStored([signed_head(H1)], None, list(TOKENS[:16]), 16, None, "GPU"),
+        SGLangStored([signed_head(H2)], signed_head(H1), list(TOKENS[16:]), 16, None, "GPU"),
+        SGLangStored(
+            [signed_head(H1)], None, list(TOKENS[:16]), 16, None, "GPU", "tenant-a", None, "sql-lora"
+        ),
+        SGLangStored(
+            [signed_head(NEGATIVE)],
+            signed_head(H1),
+            list(TOKENS[16:]),
+            16,
+            None,
+            "GPU",
+            "tenant-a",
+            None,
+            "sql-lora",
+        ),
+        SGLangRemoved([signed_head(H1)], "GPU"),
+        SGLangStored([signed_head(H2)], None, list(TOKENS[:16]), 16, None, "CPU_PINNED"),
+        SGLangCleared(),
+    ]
+    assert signed_head(NEGATIVE) < 0  # a negative int64 on the wire (msgpack int, not uint64)
+    raw = decode(payload)
+    assert raw[1][0] == {
+        "type": "BlockStored",
+        "block_hashes": [signed_head(H1)],
+        "parent_block_hash": None,
+        "token_ids": list(TOKENS[:16]),
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+    }
