@@ -1,6 +1,6 @@
 """Identifiers of the domain that must not be mixed up with one another."""
 
-from typing import NewType
+from typing import Literal, NewType
 
 #: ``ip:port`` of one model-server endpoint (``[v6]:port`` for IPv6), as Envoy receives it.
 EndpointAddress = NewType("EndpointAddress", str)
@@ -8,3 +8,6 @@ EndpointAddress = NewType("EndpointAddress", str)
 ModelName = NewType("ModelName", str)
 #: ``namespace/name`` of an InferenceWorkerSet.
 WorkerSetKey = NewType("WorkerSetKey", str)
+#: The model server software behind an endpoint: what its metrics, routes and KV events look like.
+EngineKind = Literal["vllm", "sglang"]
+ENGINE_KINDS: tuple[EngineKind, ...] = ("vllm", "sglang")

@@ -23,3 +23,26 @@ def free_port(host: str = "127.0.0.1") -> int:
             _handed_out.add(port)
             return port
     raise RuntimeError("could not find a fresh free port in 100 tries")
+
+
+def free_port_range(count: int, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive TCP ports on ``host`` that nothing listens on right now
+    (for engines that put rank r at ``base + r``); same caveat as :func:`free_port`."""
+    for _ in range(100):
+        base = free_port(host)
+        if base + count > 65535:
+            continue
+        probes: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                probes.append(sock)
+                sock.bind((host, port))
+        except OSError:
+            continue
+        finally:
+            for sock in probes:
+                sock.close()
+        _handed_out.update(range(base, base + count))
+        return base
+    raise RuntimeError(f"could not find {count} consecutive free ports in 100 tries")

@@ -5,14 +5,19 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE), `
 ``POST /reset_prefix_cache``; and the simulator's own ``GET /sim/state`` (ports, ranks, cache) and
 ``POST /sim/kv_events`` (inject faults into the KV-event stream, restart a publisher).
 
+With ``--engine sglang`` the generation routes and ``/metrics`` stay, and the rest is SGLang's
+(:mod:`extproc.sim.sglang`): its model cards, tokenize bodies, error JSON, ``/server_info``,
+``/model_info``, ``/health_generate`` and ``/flush_cache``.
+
 A request goes to the data-parallel rank named by the ``X-data-parallel-rank`` header (as vLLM
-allows), else to the rank with the fewest running + waiting requests.
+allows, and SGLang), else to the rank with the fewest running + waiting requests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import orjson
@@ -21,8 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc import __version__
 from extproc.openai import ChatPrompt, CompletionPrompt, flag
-from extproc.sim import responses
-from extproc.sim.metrics import SimMetrics
+from extproc.sim import responses, sglang
+from extproc.sim.metrics import EngineMetrics
 from extproc.sim.ranks import Rank, Run
 from extproc.sim.requests import (
     Generation,
@@ -32,7 +37,8 @@ from extproc.sim.requests import (
     parse_chat,
     parse_completion,
     refusals,
-    resolve_model,
+    sglang_cache_salt,
+    sglang_resolve_model,
 )
 from extproc.sim.responses import ResponseHead, Usage
 from extproc.sim.settings import SimSettings
@@ -58,7 +64,9 @@ class Engine(Protocol):
     @property
     def started_at(self) -> float: ...
     @property
-    def metrics(self) -> SimMetrics: ...
+    def metrics(self) -> EngineMetrics: ...
+    @property
+    def ranks(self) -> Sequence[Rank]: ...
 
     def next_request_id(self) -> int: ...
     def pick_rank(self, header: str | None) -> Rank: ...
@@ -74,16 +82,22 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def build_app(server: Engine, *, max_body_bytes: int = 64 * 1024 * 1024) -> web.Application:
     api = _Api(server)
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors])
+    is_sglang = server.settings.engine_kind == "sglang"
+    app = web.Application(
+        client_max_size=max_body_bytes, middlewares=[_sglang_errors if is_sglang else _errors]
+    )
     app.router.add_post("/v1/chat/completions", api.chat)
     app.router.add_post("/v1/completions", api.completions)
-    app.router.add_get("/v1/models", api.models)
-    app.router.add_post("/tokenize", api.tokenize)
-    app.router.add_post("/detokenize", api.detokenize)
-    app.router.add_get("/health", api.health)
-    app.router.add_get("/version", api.version)
     app.router.add_get("/metrics", api.metrics)
-    app.router.add_post("/reset_prefix_cache", api.reset_prefix_cache)
+    if is_sglang:
+        sglang.add_routes(app, server, api.token_ids)
+    else:
+        app.router.add_get("/v1/models", api.models)
+        app.router.add_post("/tokenize", api.tokenize)
+        app.router.add_post("/detokenize", api.detokenize)
+        app.router.add_get("/health", api.health)
+        app.router.add_get("/version", api.version)
+        app.router.add_post("/reset_prefix_cache", api.reset_prefix_cache)
     app.router.add_get("/sim/state", api.state)
     app.router.add_post("/sim/kv_events", api.kv_events)
     return app
@@ -102,6 +116,15 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _json(exc.as_json(), status=exc.status)
 
 
+@web.middleware
+async def _sglang_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refusals become SGLang's ``ErrorResponse``."""
+    try:
+        return await handler(request)
+    except SimRequestError as exc:
+        return _json(sglang.error_json(exc), status=exc.status)
+
+
 async def _body(request: web.Request) -> Any:
     try:
         return orjson.loads(await request.read())
@@ -116,6 +139,10 @@ class _Api:
             max_model_len=server.settings.engine.max_model_len,
             default_output_tokens=server.settings.default_output_tokens,
         )
+        if server.settings.engine_kind == "sglang":
+            self.limits = dataclasses.replace(
+                self.limits, cache_salt=sglang_cache_salt, resolve_model=sglang_resolve_model
+            )
 
     # -- generation -------------------------------------------------------------------------------
 
@@ -198,12 +225,13 @@ class _Api:
             )
         return _json({"object": "list", "data": cards})
 
-    async def tokenize(self, request: web.Request) -> web.StreamResponse:
+    async def token_ids(self, request: web.Request) -> tuple[list[int], dict[str, Any]]:
+        """A tokenize request's ids, as the engine renders and encodes them, and its body."""
         body = await _body(request)
         if not isinstance(body, dict):
             raise SimRequestError(400, "the request body must be a JSON object")
         if body.get("model") is not None:
-            resolve_model(self.server.models, body)
+            self.limits.resolve_model(self.server.models, body)
         tokenizer = self.server.tokenizer
         with refusals():
             if "messages" in body:
@@ -215,6 +243,10 @@ class _Api:
                 )
             else:
                 raise SimRequestError(400, "give either 'prompt' or 'messages'")
+        return list(ids), body
+
+    async def tokenize(self, request: web.Request) -> web.StreamResponse:
+        ids, body = await self.token_ids(request)
         strs = self.server.tokenizer.token_strs(ids) if body.get("return_token_strs") else None
         return _json(
             {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -46,6 +47,15 @@ class RankStats:
     #: Blocks the CPU tier holds, and its capacity (0 without a tier): ``/sim/state`` only.
     cpu_cache_blocks: int = 0
     cpu_cache_capacity: int = 0
+
+
+class EngineMetrics(Protocol):
+    """What the server feeds and the HTTP surface exposes, whichever engine's names it uses."""
+
+    @property
+    def registry(self) -> CollectorRegistry: ...
+    def observe_first_token(self, engine: str, *, ttft: float, queue_time: float) -> None: ...
+    def observe_finished(self, engine: str, *, e2e: float, finish_reason: str) -> None: ...
 
 
 class _EngineStateCollector(Collector):

@@ -9,7 +9,7 @@ would answer (400 for bad bodies and context overflows, 404 for unknown models).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,11 +71,27 @@ class Generation:
     cache_salt: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_model_len: int
-    #: Tokens produced for a chat request without ``max_tokens`` (a real model stops at EOS).
-    default_output_tokens: int
+def vllm_cache_salt(body: Mapping[str, Any]) -> str | None:
+    """vLLM's rule: ``cache_salt``, when given, is a non-empty string."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise SimRequestError(
+            400, "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt"
+        )
+    return salt
+
+
+def sglang_cache_salt(body: Mapping[str, Any]) -> str | None:
+    """SGLang's rule: a string or a list of them (one per prompt of a batch: the first one's here);
+    ``""`` is no salt."""
+    salt = body.get("cache_salt")
+    if isinstance(salt, list):
+        if not all(isinstance(s, str) for s in salt):
+            raise SimRequestError(400, "Every cache_salt should be a string.", param="cache_salt")
+        salt = salt[0] if salt else None
+    if salt is not None and not isinstance(salt, str):
+        raise SimRequestError(400, "cache_salt should be a list or a string.", param="cache_salt")
+    return salt or None
 
 
 #: vLLM's ``CompletionRequest.max_tokens`` default.
@@ -95,12 +111,41 @@ def resolve_model(models: Mapping[str, ServedModel], body: Mapping[str, Any]) ->
     return served
 
 
+def sglang_resolve_model(models: Mapping[str, ServedModel], body: Mapping[str, Any]) -> ServedModel:
+    """SGLang's reading of ``model`` (``serving_base._parse_model_parameter``): ``base:adapter``
+    picks a loaded adapter; any other name is served by the base model (names are not checked)."""
+    name = body.get("model")
+    base = next(iter(models.values()))
+    if not isinstance(name, str) or ":" not in name or name == base.name:
+        return base
+    # The full base name first: it may hold colons itself (an object-storage URI).
+    prefix = f"{base.name}:"
+    adapter = (name[len(prefix) :] if name.startswith(prefix) else name.split(":", 1)[1]).strip()
+    served = models.get(adapter)
+    if served is None or served.lora_name is None:
+        raise SimRequestError(400, f"LoRA adapter {adapter!r} is not loaded.", param="model")
+    return served
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The engine's rules for reading a request."""
+
+    max_model_len: int
+    #: Tokens produced for a chat request without ``max_tokens`` (a real model stops at EOS).
+    default_output_tokens: int
+    #: How the engine reads ``cache_salt`` (vLLM and SGLang differ).
+    cache_salt: Callable[[Mapping[str, Any]], str | None] = vllm_cache_salt
+    #: How the engine finds the model a request names (vLLM and SGLang differ).
+    resolve_model: Callable[[Mapping[str, ServedModel], Mapping[str, Any]], ServedModel] = resolve_model
+
+
 def parse_completion(
     body: Any, *, models: Mapping[str, ServedModel], tokenizer: Tokenizer, limits: Limits
 ) -> Generation:
     """``POST /v1/completions``: one prompt, as text or token ids."""
     body = _object(body)
-    model = resolve_model(models, body)
+    model = limits.resolve_model(models, body)
     with refusals():
         prompt_ids = completion_prompt_ids(CompletionPrompt.from_body(body), tokenizer)
         max_tokens = _max_tokens(body, ("max_tokens",), default=COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -117,7 +162,7 @@ def parse_chat(
 ) -> Generation:
     """``POST /v1/chat/completions``: messages rendered with the chat template, then tokenized."""
     body = _object(body)
-    model = resolve_model(models, body)
+    model = limits.resolve_model(models, body)
     with refusals():
         prompt_ids = chat_prompt_ids(ChatPrompt.from_body(body), tokenizer, template)
         max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), default=None)
@@ -171,17 +216,8 @@ def _generation(
     include_usage = bool(options.get("include_usage", False))
     if include_usage and not stream:
         raise SimRequestError(400, "Stream options can only be defined when `stream=True`.")
-    return Generation(model, tuple(prompt_ids), output, reason, stream, include_usage, _cache_salt(body))
-
-
-def _cache_salt(body: Mapping[str, Any]) -> str | None:
-    """vLLM's rule: ``cache_salt``, when given, is a non-empty string."""
-    salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise SimRequestError(
-            400, "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt"
-        )
-    return salt
+    salt = limits.cache_salt(body)
+    return Generation(model, tuple(prompt_ids), output, reason, stream, include_usage, salt)
 
 
 def _object(body: Any) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from extproc.sim.settings import (
     LoraModule,
     SimSettings,
 )
+from extproc.types import ENGINE_KINDS
 
 _ENGINE_DEFAULTS = EngineParams()
 _DEFAULTS = SimSettings()
@@ -33,12 +34,18 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     d = _ENGINE_DEFAULTS
     p = sub.add_parser(
         "sim",
-        help="run a vLLM-compatible simulated model server (OpenAI API, /metrics, KV events over ZMQ)",
-        description="A simulated vLLM engine on loopback: OpenAI-compatible HTTP, a real tokenizer and "
-        "chat template, a prefix cache publishing vLLM's KV events over ZMQ, and a latency model. "
-        "Defaults resemble an 8B model on one H100 (see extproc/sim/README.md).",
+        help="run a simulated vLLM or SGLang model server (OpenAI API, /metrics, KV events over ZMQ)",
+        description="A simulated vLLM (or SGLang) engine on loopback: OpenAI-compatible HTTP, a real "
+        "tokenizer and chat template, a prefix cache publishing the engine's KV events over ZMQ, and a "
+        "latency model. Defaults resemble an 8B model on one H100 (see extproc/sim/README.md).",
     )
     g = p.add_argument_group("serving")
+    g.add_argument(
+        "--engine",
+        choices=list(ENGINE_KINDS),
+        default="vllm",
+        help="whose surface to show: routes, metric names, KV-event encoding (vllm)",
+    )
     g.add_argument("--listen", default="127.0.0.1:8000", help="HTTP address (127.0.0.1:8000); port 0 = any")
     g.add_argument("--replicas", type=int, default=1, help="engines to start, on consecutive ports (1)")
     g.add_argument(
@@ -121,7 +128,7 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     )
     g.add_argument("--data-parallel-size", type=int, default=1, help="DP ranks, each its own cache (1)")
     g.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per simulated second (1.0)")
-    g = p.add_argument_group("KV events (vLLM's ZMQ publisher)")
+    g = p.add_argument_group("KV events (the engine's ZMQ publisher)")
     g.add_argument(
         "--kv-events-port", type=int, default=None, help="PUB port of rank 0; 0 = any; off if unset"
     )
@@ -132,14 +139,14 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     g.add_argument(
         "--kv-encoding",
         choices=[e.value for e in EventEncoding],
-        default=EventEncoding.MAPS.value,
-        help="arrays = vLLM <= 0.23, maps = vLLM >= 0.24 (maps)",
+        default=None,
+        help="arrays = vLLM <= 0.23, maps = vLLM >= 0.24, sglang = SGLang 0.5 (default: the engine's own)",
     )
     g.add_argument(
         "--kv-hash-format",
         choices=[h.value for h in HashFormat],
-        default=HashFormat.INT.value,
-        help="int = uint64 (vLLM default), bytes = 32-byte digest (int)",
+        default=None,
+        help="vLLM only: int = uint64 (vLLM default), bytes = 32-byte digest (int)",
     )
     g.add_argument(
         "--kv-replay-frames",
@@ -180,13 +187,16 @@ def sim_settings(args: argparse.Namespace) -> SimSettings:
     )
     faults = PublisherFaults(drop_probability=args.kv_drop_probability, delay_seconds=args.kv_delay_ms / 1000)
     kv: KVEventSettings | None = None
+    if args.engine == "sglang" and args.kv_hash_format is not None:
+        raise ConfigError("--kv-hash-format is vLLM's: SGLang publishes signed int64 hashes only")
     if args.kv_events_port is not None:
+        default_encoding = EventEncoding.SGLANG if args.engine == "sglang" else EventEncoding.MAPS
         kv = KVEventSettings(
             port=args.kv_events_port,
             replay_port=args.kv_replay_port,
             topic=args.kv_topic,
-            encoding=EventEncoding(args.kv_encoding),
-            hash_format=HashFormat(args.kv_hash_format),
+            encoding=EventEncoding(args.kv_encoding or default_encoding),
+            hash_format=HashFormat(args.kv_hash_format or HashFormat.INT),
             replay_topic_frame=args.kv_replay_frames == 4,
             buffer_steps=args.kv_buffer_steps,
             faults=faults,
@@ -202,6 +212,7 @@ def sim_settings(args: argparse.Namespace) -> SimSettings:
             if value != default:
                 raise ConfigError(f"{flag} needs --kv-events-port (the publisher it configures is off)")
     return SimSettings(
+        engine_kind=args.engine,
         listen=args.listen,
         model=args.model,
         served_model_names=tuple(args.served_model_name),

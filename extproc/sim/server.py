@@ -27,10 +27,11 @@ from extproc.sim.api import build_app
 from extproc.sim.engine_core import EngineCore, RequestOutput, SimRequest
 from extproc.sim.engine_loop import EngineLoop
 from extproc.sim.kv_publisher import KVEventPublisher
-from extproc.sim.metrics import RankStats, SimMetrics
+from extproc.sim.metrics import EngineMetrics, RankStats, SimMetrics
 from extproc.sim.ranks import Rank, Run
 from extproc.sim.requests import Generation, ServedModel, SimRequestError
 from extproc.sim.settings import SimSettings
+from extproc.sim.sglang import SGLangMetrics
 from extproc.tokenize import (
     ChatTemplate,
     Tokenizer,
@@ -64,9 +65,18 @@ class SimServer:
             models[lora.name] = ServedModel(lora.name, settings.model, lora_name=lora.name, lora_id=lora_id)
         self.models: Mapping[str, ServedModel] = models
         self.lora_paths = {lora.name: lora.path for lora in settings.lora_modules}
-        self.metrics = SimMetrics(
-            model_name=self.base_name, stats=self._rank_stats, cache_config=self._cache_config()
-        )
+        self.metrics: EngineMetrics
+        if settings.engine_kind == "sglang":
+            engine = settings.engine
+            self.metrics = SGLangMetrics(
+                model_name=self.base_name,
+                stats=self._rank_stats,
+                max_total_tokens=engine.num_gpu_blocks * engine.block_size,
+            )
+        else:
+            self.metrics = SimMetrics(
+                model_name=self.base_name, stats=self._rank_stats, cache_config=self._cache_config()
+            )
         self.ranks: list[Rank] = []
         #: Requests the engine generated to the end (all ranks), for in-process views like the demo's.
         self.requests_finished = 0
@@ -243,6 +253,7 @@ class SimServer:
             "model": self.settings.model,
             "served_model_names": list(self.settings.base_model_names),
             "lora_modules": list(self.lora_paths),
+            "engine_kind": self.settings.engine_kind,
             "block_size": self.settings.engine.block_size,
             "time_scale": self.settings.time_scale,
             "ranks": ranks,

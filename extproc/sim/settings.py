@@ -15,6 +15,7 @@ from extproc.settings import parse_host_port
 from extproc.sim.engine_core import EngineParams
 from extproc.sim.kv_publisher import PublisherFaults
 from extproc.sim.kv_wire import EventEncoding, HashFormat
+from extproc.types import ENGINE_KINDS, EngineKind
 
 #: vLLM's ``KVEventsConfig`` defaults (identical from 0.9.0 to 0.33.0).
 DEFAULT_BUFFER_STEPS = 10_000
@@ -67,6 +68,8 @@ class LoraModule:
 class SimSettings:
     """Everything one simulated engine (all its data-parallel ranks) needs."""
 
+    #: Whose surface to show: vLLM's, or SGLang's (routes, metric names, KV-event encoding).
+    engine_kind: EngineKind = "vllm"
     #: HTTP listen address (OpenAI API, /metrics, /tokenize). Loopback by default; port 0 = any free.
     listen: str = "127.0.0.1:8000"
     #: The model path or Hugging Face id the engine "loads"; ``root`` in ``/v1/models``.
@@ -94,6 +97,15 @@ class SimSettings:
 
     def __post_init__(self) -> None:
         parse_host_port(self.listen, what="--listen")
+        if self.engine_kind not in ENGINE_KINDS:
+            raise ConfigError(f"--engine must be one of {', '.join(ENGINE_KINDS)}, got {self.engine_kind!r}")
+        if self.kv_events is not None:
+            sglang_wire = self.kv_events.encoding == EventEncoding.SGLANG
+            if sglang_wire != (self.engine_kind == "sglang"):
+                raise ConfigError(
+                    f"--engine {self.engine_kind} does not publish the {self.kv_events.encoding} KV-event "
+                    "encoding (SGLang's encoding comes with --engine sglang, and only with it)"
+                )
         names = self.base_model_names
         for lora in self.lora_modules:
             if lora.name in names:

@@ -131,7 +131,10 @@ async def test_subscriber_rebuilds_the_cache_through_evictions_reset_and_replay(
         hash_format=hash_format or HashFormat.INT,
         topic="kv@sim@llama",
     )
-    server = await sim(kv_events=kv, engine={"num_gpu_blocks": 40})
+    sglang = encoding == EventEncoding.SGLANG
+    server = await sim(
+        kv_events=kv, engine={"num_gpu_blocks": 40}, engine_kind="sglang" if sglang else "vllm"
+    )
     follower = Follower(server)
     try:
         await follower.join(http, server)
@@ -142,7 +145,8 @@ async def test_subscriber_rebuilds_the_cache_through_evictions_reset_and_replay(
         assert follower.cache.blocks == engine_blocks(server)
         assert follower.cache.unknown_removals == 0
 
-        async with http.post(f"http://{server.address}/reset_prefix_cache") as resp:
+        reset = "/flush_cache" if sglang else "/reset_prefix_cache"
+        async with http.post(f"http://{server.address}{reset}") as resp:
             assert resp.status == 200
         await workload(http, server, seed=2)
         await eventually(lambda: idle(server))
