@@ -57,6 +57,10 @@ class SetView:
     models: tuple[ModelView, ...] = ()
     #: Ready endpoints whose KV-event streams (every data-parallel rank) are connected.
     kv_subscribed: int = 0
+    #: Endpoints publishing KV blocks that ``kvBlockSize`` does not divide (their events are
+    #: skipped), and the smallest such engine block size.
+    kv_mismatched: int = 0
+    kv_engine_block_size: int | None = None
     discovery_mode: str = "Static"
     #: Static sets, or Endpoint-mode sets at least one of whose endpoints answered ``/v1/models``.
     discovery_answered: bool = True
@@ -90,6 +94,7 @@ def parse_router_view(document: Any) -> RouterView:
 def _set_view(entry: dict[str, Any]) -> SetView:
     endpoints = _dict(entry.get("endpoints"))
     kv = _dict(entry.get("kvEvents"))
+    mismatch = _dict(kv.get("blockSizeMismatch"))
     discovery = _dict(entry.get("discovery"))
     models = entry.get("models")
     return SetView(
@@ -98,6 +103,8 @@ def _set_view(entry: dict[str, Any]) -> SetView:
         terminating_endpoints=_count(endpoints.get("terminating")),
         models=tuple(_model_view(m) for m in models if _model_name(m)) if isinstance(models, list) else (),
         kv_subscribed=_count(kv.get("subscribedEndpoints")),
+        kv_mismatched=_count(mismatch.get("endpoints")),
+        kv_engine_block_size=_count(mismatch.get("engineBlockSize")) or None,
         discovery_mode=str(discovery.get("mode", "Static")),
         discovery_answered=discovery.get("answered") is not False,
         problems=_strings(entry.get("problems")),

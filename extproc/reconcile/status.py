@@ -233,6 +233,14 @@ def _kv_events_ready(facts: SetFacts, router: RouterSide) -> Condition:
     subscribed = min(view.kv_subscribed, ready)
     if ready == 0:
         return Condition("KVEventsReady", "False", "NoReadyEndpoints", "no ready endpoints to subscribe to")
+    if view.kv_mismatched and facts.spec is not None:
+        engine, declared = view.kv_engine_block_size, facts.spec.kv_block_size
+        message = (
+            f"{min(view.kv_mismatched, ready)} of {_endpoints(ready)} publish KV blocks of {engine} tokens, "
+            f"which spec.kvBlockSize {declared} does not divide: their events are skipped and routing "
+            f"cannot see their caches; set spec.kvBlockSize to {engine} (or a divisor of it)"
+        )
+        return Condition("KVEventsReady", "False", "BlockSizeMismatch", message)
     if subscribed == ready:
         message = f"KV events of all {_endpoints(ready)} are subscribed"
         return Condition("KVEventsReady", "True", "Subscribed", message)

@@ -198,6 +198,7 @@ class Server:
             self.store.current,
             self.prefix.subscriptions.stats(),
             profile_known=lambda name: self.profiles.resolve(name)[1],
+            block_size_mismatch=self.prefix.index.block_size_mismatch,
         )
 
     def debug_state(self) -> dict[str, Any]:

@@ -3,9 +3,10 @@
 ``/debug/state`` is for people and changes shape as the router grows; the reconciler reads only
 the ``workerSetStatus`` section built here. It names each set by ``namespace/name`` and says what
 the router does with it right now: the models it routes (after model discovery), how many ready
-endpoints serve each and their context windows, how many endpoints' KV-event streams are connected,
-and the problems the catalog found. Pure: the caller passes the current catalog and the KV
-subscribers' stats, so equal inputs give an equal (JSON-ready) answer.
+endpoints serve each and their context windows, how many endpoints' KV-event streams are connected
+(and how many publish blocks ``kvBlockSize`` does not divide), and the problems the catalog found.
+Pure: the caller passes the current catalog, the KV subscribers' stats and the index's block-size
+verdicts, so equal inputs give an equal (JSON-ready) answer.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def observe_worker_sets(
     subscriptions: Mapping[Source, Subscription],
     *,
     profile_known: Callable[[str], bool] = lambda _name: True,
+    block_size_mismatch: Callable[[Source], tuple[int, int] | None] = lambda _source: None,
 ) -> dict[str, Any]:
     """``namespace/name`` -> the router's view of that set (see the module docstring).
 
@@ -52,7 +54,7 @@ def observe_worker_sets(
         ws = catalog.worker_sets.get(WorkerSetKey(key))
         entry: dict[str, Any] = {"routed": False}
         if ws is not None:
-            entry = _observe(catalog, ws, subscriptions, profile_known(ws.profile))
+            entry = _observe(catalog, ws, subscriptions, profile_known(ws.profile), block_size_mismatch)
         entry["conflicts"] = lost.get(key, [])
         entry["rejected"] = rejected.get(key, [])
         observed[key] = entry
@@ -60,7 +62,11 @@ def observe_worker_sets(
 
 
 def _observe(
-    catalog: Catalog, ws: WorkerSet, subscriptions: Mapping[Source, Subscription], profile_known: bool
+    catalog: Catalog,
+    ws: WorkerSet,
+    subscriptions: Mapping[Source, Subscription],
+    profile_known: bool,
+    block_size_mismatch: Callable[[Source], tuple[int, int] | None],
 ) -> dict[str, Any]:
     models = []
     for model in ws.models:
@@ -86,13 +92,25 @@ def _observe(
         )
         for e in publishing
     )
+    kv: dict[str, Any] = {"configured": bool(publishing), "subscribedEndpoints": subscribed}
+    # Engines whose blocks kvBlockSize does not divide: their events are skipped, so their caches
+    # are invisible to routing (SGLang's default page size is 1, vLLM's block 16).
+    engine_sizes = []
+    for e in publishing:
+        verdicts = [
+            v for rank in range(ws.data_parallel_size) if (v := block_size_mismatch(Source(e.address, rank)))
+        ]
+        if verdicts:
+            engine_sizes.append(min(engine for _declared, engine in verdicts))
+    if engine_sizes:
+        kv["blockSizeMismatch"] = {"endpoints": len(engine_sizes), "engineBlockSize": min(engine_sizes)}
     return {
         "routed": True,
         "endpoints": {"ready": len(ws.endpoints), "terminating": ws.terminating},
         "models": models,
         # "configured": some ready endpoint has a KV-event port (the spec alone says whether the set
         # asks for events; this says whether the router has anywhere to subscribe).
-        "kvEvents": {"configured": bool(publishing), "subscribedEndpoints": subscribed},
+        "kvEvents": kv,
         "discovery": {
             "mode": ws.discovery_mode,
             # Static sets need no answer: their models are the spec's.

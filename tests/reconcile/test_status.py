@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -239,6 +240,17 @@ def test_kv_events_ready(subscribed: int, expected: tuple[str, str], fragment: s
     assert fragment in condition(status, "KVEventsReady")["message"]  # type: ignore[index]
     assert status["kvEvents"] == {"configured": True, "subscribedEndpoints": subscribed}
     assert status["state"] == ("Ready" if subscribed == 2 else "Degraded")
+
+
+def test_engines_publishing_blocks_the_spec_does_not_divide_are_a_block_size_mismatch() -> None:
+    """SGLang's default page size is 1: under kvBlockSize 16 its events are skipped, and the set says so."""
+    router = dataclasses.replace(view(subscribed=2), kv_mismatched=2, kv_engine_block_size=1)
+    status = status_of(*healthy(kv_events=KV), router=router)
+    assert summary(status, "KVEventsReady") == ("False", "BlockSizeMismatch")
+    message = condition(status, "KVEventsReady")["message"]  # type: ignore[index]
+    assert "2 of 2 ready endpoints publish KV blocks of 1 tokens" in message
+    assert "set spec.kvBlockSize to 1" in message
+    assert status["state"] == "Degraded"
 
 
 def test_kv_events_ready_is_unknown_without_the_router_and_absent_without_kv_events() -> None:

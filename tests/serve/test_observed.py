@@ -141,6 +141,15 @@ def test_an_endpoint_is_subscribed_when_every_rank_is_connected() -> None:
     }
 
 
+def test_endpoints_publishing_blocks_kv_block_size_does_not_divide_are_counted() -> None:
+    """An SGLang pod with its default page size of 1 under a set declared 16: its events are skipped."""
+    built = catalog(objects("a", ips=["10.0.0.1", "10.0.0.2"], models=[{"name": "m"}], kv=True, dp=2))
+    mismatched = {Source(EndpointAddress("10.0.0.2:8000"), 1): (16, 1)}
+    observed = observe_worker_sets(built, {}, block_size_mismatch=mismatched.get)["ns/a"]
+    assert observed["kvEvents"]["blockSizeMismatch"] == {"endpoints": 1, "engineBlockSize": 1}
+    assert "blockSizeMismatch" not in observe_worker_sets(built, {})["ns/a"]["kvEvents"]
+
+
 def test_lost_name_conflicts_and_rejections_are_reported_per_set() -> None:
     """The loser of a name lists the conflict; a rejected set appears with its reason."""
     older = objects(
