@@ -89,6 +89,7 @@ def _join(spec: InferenceWorkerSet, service: Service | None, slices: list[Endpoi
         problems=tuple(problems),
         created=spec.created,
         data_parallel_size=spec.data_parallel_size,
+        engine_kind=spec.engine_kind,
         discovery_mode=spec.discovery_mode,
         discovery_interval=spec.discovery_interval,
     )

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from extproc.types import EndpointAddress, ModelName, WorkerSetKey
+from extproc.types import EndpointAddress, EngineKind, ModelName, WorkerSetKey
 
 #: Where a worker set's models come from (``spec.modelDiscovery.mode``).
 DiscoveryMode = Literal["Endpoint", "Static"]
@@ -60,6 +60,8 @@ class WorkerSet:
     created: str | None = None
     #: Data-parallel ranks per pod, each with its own KV cache and event ports (+ rank).
     data_parallel_size: int = 1
+    #: The engine its pods run, when the set declares it (``kinference.buoyant.io/engine``).
+    engine_kind: EngineKind | None = None
     #: ``spec.modelDiscovery.mode``. The default is Static ("models as given") so that a set built by
     #: hand keeps its old meaning; :func:`~extproc.catalog.build.build_catalog` copies the spec's mode,
     #: whose CRD default is Endpoint.
@@ -157,6 +159,7 @@ class Catalog:
                     "terminating": ws.terminating,
                     "problems": list(ws.problems),
                     "dataParallelSize": ws.data_parallel_size,
+                    "engine": ws.engine_kind,
                     "modelDiscovery": _discovery_debug(ws),
                 }
                 for key, ws in sorted(self.worker_sets.items())

@@ -22,7 +22,7 @@ from extproc.catalog import fields
 from extproc.catalog.fields import FieldError, IntOrString
 from extproc.catalog.model import ServedModel
 from extproc.errors import ExtprocError
-from extproc.types import ModelName, WorkerSetKey
+from extproc.types import ENGINE_KINDS, EngineKind, ModelName, WorkerSetKey
 
 WORKER_SET_API = "kinference.buoyant.io/v1alpha1"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
@@ -61,6 +61,8 @@ class InferenceWorkerSet:
     #: Data-parallel ranks per pod (annotation :data:`DATA_PARALLEL_ANNOTATION`); rank r publishes
     #: KV events on the KV ports + r, as vLLM offsets them.
     data_parallel_size: int = 1
+    #: The engine its pods run, if declared (annotation :data:`ENGINE_ANNOTATION`); else detected.
+    engine_kind: EngineKind | None = None
 
     @property
     def key(self) -> WorkerSetKey:
@@ -248,6 +250,7 @@ def parse_worker_set(obj: Mapping[str, Any]) -> InferenceWorkerSet:
         kv_events=kv_events,
         created=created,
         data_parallel_size=_data_parallel_size(obj),
+        engine_kind=_engine_kind(obj),
     )
 
 
@@ -266,6 +269,24 @@ def _data_parallel_size(obj: Mapping[str, Any]) -> int:
         detail = f"must be a number of ranks from 1 to 64 (a string), got {fields.show(value)}"
         raise FieldError(where, detail)
     return int(value)
+
+
+#: Not in the CRD's spec: ``vllm`` or ``sglang``, the engine the set's pods run. Optional: serve tells
+#: by the metrics the pods serve, and reports a declared kind they contradict.
+ENGINE_ANNOTATION = "kinference.buoyant.io/engine"
+
+
+def _engine_kind(obj: Mapping[str, Any]) -> EngineKind | None:
+    meta = fields.mapping(obj.get("metadata"), "metadata")
+    annotations = fields.mapping(meta.get("annotations"), "metadata.annotations")
+    value = annotations.get(ENGINE_ANNOTATION)
+    if value is None:
+        return None
+    for kind in ENGINE_KINDS:
+        if value == kind:
+            return kind
+    detail = f"must be one of {', '.join(ENGINE_KINDS)}, got {fields.show(value)}"
+    raise FieldError(f"metadata.annotations[{ENGINE_ANNOTATION}]", detail)
 
 
 def _parse_models(value: Any) -> tuple[ServedModel, ...]:

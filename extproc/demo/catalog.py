@@ -50,6 +50,8 @@ class LocalWorkerSet:
     #: ``spec.models`` as name -> aliases, replacing ``model``/``aliases`` (``{}`` lists none, which
     #: with Endpoint discovery leaves the set to its endpoints). None: ``[{model, aliases}]``.
     models: Mapping[str, Sequence[str]] | None = None
+    #: The engine the set declares (annotation ``kinference.buoyant.io/engine``); None: undeclared.
+    engine: str | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.kv_ports) - set(self.endpoints) - set(self.not_ready))
@@ -71,7 +73,7 @@ def catalog_documents(worker_sets: Sequence[LocalWorkerSet]) -> list[dict[str, A
     """One InferenceWorkerSet + Service per set, one EndpointSlice per endpoint (ports may differ)."""
     docs: list[dict[str, Any]] = []
     for ws in worker_sets:
-        meta = {"name": ws.name, "namespace": ws.namespace}
+        meta: dict[str, Any] = {"name": ws.name, "namespace": ws.namespace}
         spec: dict[str, Any] = {
             "serviceRef": {"name": ws.name, "port": "http"},
             "profile": ws.profile,
@@ -86,11 +88,14 @@ def catalog_documents(worker_sets: Sequence[LocalWorkerSet]) -> list[dict[str, A
         kv_events = ws.kv_events_spec()
         if kv_events is not None:
             spec["kvEvents"] = kv_events
+        annotations = (
+            {} if ws.engine is None else {"annotations": {"kinference.buoyant.io/engine": ws.engine}}
+        )
         docs.append(
             {
                 "apiVersion": "kinference.buoyant.io/v1alpha1",
                 "kind": "InferenceWorkerSet",
-                "metadata": meta,
+                "metadata": {**meta, **annotations},
                 "spec": spec,
             }
         )

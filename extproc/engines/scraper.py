@@ -5,6 +5,11 @@ so the request path only reads a dict. A scrape that fails keeps the last good s
 why; signals older than :data:`STALE_INTERVALS` intervals are marked stale, since load data that old
 says little about the next request and a scheduler should fall back to load-blind choices.
 Endpoints that leave the catalog are forgotten at once (catalog notification), not at the next tick.
+
+The page also tells which engine serves there (vLLM's or SGLang's metric names). A worker set that
+declares its engine (``kinference.buoyant.io/engine``) is checked against it: an endpoint whose
+metrics contradict the declaration is a problem of that set (:meth:`EngineScraper.kind_problems`),
+logged once when it appears.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from extproc.catalog.store import CatalogStore
 from extproc.engines.poller import EndpointPoller
 from extproc.engines.signals import MetricsParseError, parse_signals
 from extproc.scheduling.signals import EngineSignals
-from extproc.types import EndpointAddress
+from extproc.types import EndpointAddress, EngineKind, WorkerSetKey
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +80,10 @@ class _State:
     unreachable: bool = False
     #: The gateway gave up on it and retried elsewhere, cause unknown: avoided until the next scrape.
     suspect: bool = False
+    #: The engine its worker set declares, if any.
+    declared: EngineKind | None = None
+    #: The set it belongs to (the first one, for an address in several).
+    worker_set: WorkerSetKey | None = None
 
 
 def metrics_urls(catalog: Catalog) -> dict[EndpointAddress, str]:
@@ -194,6 +203,22 @@ class EngineScraper(EndpointPoller):
             state = self._states.get(address)
             if state is None or state.url != url:
                 self._states[address] = _State(url)
+        for key in sorted(catalog.worker_sets, reverse=True):  # the first set wins, as in metrics_urls
+            ws = catalog.worker_sets[key]
+            for endpoint in ws.endpoints:
+                self._states[endpoint.address].declared = ws.engine_kind
+                self._states[endpoint.address].worker_set = key
+
+    def kind_problems(self) -> dict[WorkerSetKey, list[str]]:
+        """Per worker set, its endpoints whose metrics name another engine than the set declares."""
+        problems: dict[WorkerSetKey, list[str]] = {}
+        for address, state in sorted(self._states.items()):
+            detected = state.signals.engine_kind if state.signals is not None else None
+            if state.worker_set is not None and _contradicts(state.declared, detected):
+                problems.setdefault(state.worker_set, []).append(
+                    _kind_problem(address, state.declared, detected)
+                )
+        return problems
 
     async def round(self) -> None:
         await self.scrape_all()
@@ -226,6 +251,10 @@ class EngineScraper(EndpointPoller):
         if error is None:
             if state.error is not None:
                 log.info("engine metrics recovered endpoint=%s", address)
+            before = state.signals.engine_kind if state.signals is not None else None
+            detected = signals.engine_kind if signals is not None else None
+            if detected != before and _contradicts(state.declared, detected):
+                log.warning("%s", _kind_problem(address, state.declared, detected))
             state.signals, state.scraped_at, state.error, state.error_at = signals, now, None, None
             state.unreachable = False
             return
@@ -264,3 +293,14 @@ class EngineScraper(EndpointPoller):
             self._on_unreachable(address)
         except Exception:
             log.exception("on_unreachable failed endpoint=%s", address)
+
+
+def _contradicts(declared: EngineKind | None, detected: EngineKind | None) -> bool:
+    return declared is not None and detected is not None and declared != detected
+
+
+def _kind_problem(address: EndpointAddress, declared: EngineKind | None, detected: EngineKind | None) -> str:
+    return (
+        f"endpoint {address} serves {detected} metrics but its worker set declares "
+        f"kinference.buoyant.io/engine: {declared}"
+    )

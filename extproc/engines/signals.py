@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.scheduling.signals import EngineSignals
+from extproc.types import EngineKind
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -169,7 +170,9 @@ def parse_signals(text: str | bytes) -> EngineSignals:
             f"no {RUNNING}, {WAITING} or {KV_USAGE} samples on the page (nor SGLang's {SGLANG_RUNNING}, "
             f"{SGLANG_WAITING} or {SGLANG_KV_USAGE}; {len(text)} characters){detail}"
         )
+    kinds: set[EngineKind] = {"sglang" if family.startswith("sglang:") else "vllm" for family in found.values}
     return EngineSignals(
+        engine_kind=next(iter(kinds)) if len(kinds) == 1 else None,
         running=None if running is None else round(sum(running)),
         waiting=None if waiting is None else round(sum(waiting)),
         # A fraction by definition; clamping keeps one odd sample from skewing a score.

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from extproc.types import EngineKind
+
 
 @dataclass(frozen=True, slots=True)
 class EngineSignals:
@@ -38,6 +40,8 @@ class EngineSignals:
     bad_lines: int = 0
     #: The first such problem, for people reading state.
     first_problem: str | None = None
+    #: Whose metric names the page uses (None if it mixes both).
+    engine_kind: EngineKind | None = None
 
     @property
     def data_parallel_size(self) -> int:
@@ -46,6 +50,7 @@ class EngineSignals:
 
     def to_debug(self) -> dict[str, object]:
         entry: dict[str, object] = {
+            "engineKind": self.engine_kind,
             "running": self.running,
             "waiting": self.waiting,
             "kvCacheUsage": self.kv_cache_usage,

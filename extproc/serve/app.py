@@ -199,6 +199,7 @@ class Server:
             self.prefix.subscriptions.stats(),
             profile_known=lambda name: self.profiles.resolve(name)[1],
             block_size_mismatch=self.prefix.index.block_size_mismatch,
+            engine_problems=self.scraper.kind_problems() if self.settings.scrape_interval > 0 else None,
         )
 
     def debug_state(self) -> dict[str, Any]:

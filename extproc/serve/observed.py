@@ -11,7 +11,7 @@ verdicts, so equal inputs give an equal (JSON-ready) answer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from extproc.catalog.model import Catalog, WorkerSet
@@ -35,12 +35,14 @@ def observe_worker_sets(
     *,
     profile_known: Callable[[str], bool] = lambda _name: True,
     block_size_mismatch: Callable[[Source], tuple[int, int] | None] = lambda _source: None,
+    engine_problems: Mapping[WorkerSetKey, Sequence[str]] | None = None,
 ) -> dict[str, Any]:
     """``namespace/name`` -> the router's view of that set (see the module docstring).
 
     Sets that the source rejected without a previous version to keep appear too, with
     ``routed: false`` and the rejection under ``rejected``. A set naming a profile that
-    ``profile_known`` denies still routes (with the default profile) and says so in ``problems``.
+    ``profile_known`` denies still routes (with the default profile) and says so in ``problems``,
+    as do ``engine_problems`` (endpoints whose metrics contradict the set's declared engine).
     """
     rejected: dict[str, list[str]] = {}
     for problem in catalog.problems:
@@ -55,6 +57,7 @@ def observe_worker_sets(
         entry: dict[str, Any] = {"routed": False}
         if ws is not None:
             entry = _observe(catalog, ws, subscriptions, profile_known(ws.profile), block_size_mismatch)
+            entry["problems"].extend((engine_problems or {}).get(ws.key, ()))
         entry["conflicts"] = lost.get(key, [])
         entry["rejected"] = rejected.get(key, [])
         observed[key] = entry

@@ -413,6 +413,22 @@ def test_bad_data_parallel_annotation_names_it(value: object) -> None:
         parse_object(_dp_doc({"kinference.buoyant.io/data-parallel-size": value}))
 
 
+@pytest.mark.parametrize(("value", "expected"), [(None, None), ("vllm", "vllm"), ("sglang", "sglang")])
+def test_the_engine_a_set_runs_may_be_declared_by_an_annotation(
+    value: str | None, expected: str | None
+) -> None:
+    parsed = parse_object(_dp_doc(None if value is None else {"kinference.buoyant.io/engine": value}))
+    assert isinstance(parsed, InferenceWorkerSet) and parsed.engine_kind == expected
+
+
+@pytest.mark.parametrize("value", ["SGLang", "trtllm", 1], ids=["capitals", "unknown", "not-a-string"])
+def test_an_unknown_engine_is_rejected_naming_the_annotation_and_the_choices(value: object) -> None:
+    with pytest.raises(
+        InvalidObject, match=r"annotations\[kinference.buoyant.io/engine\]: must be one of vllm, sglang"
+    ):
+        parse_object(_dp_doc({"kinference.buoyant.io/engine": value}))
+
+
 def _dp_doc(annotations: dict[str, object] | None) -> dict[str, object]:
     metadata: dict[str, object] = {"name": "llama", "namespace": "default"}
     if annotations is not None:

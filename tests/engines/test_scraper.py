@@ -299,3 +299,30 @@ def test_stale_is_judged_with_the_injected_clock() -> None:
     now[0] = 103.5
     found = scraper.snapshot()[EndpointAddress("127.0.0.1:9")]
     assert found.stale and found.age == pytest.approx(4.5)
+
+
+async def test_an_engine_contradicting_its_sets_declared_kind_is_a_problem_of_the_set(
+    sim: StartSim, scraper: tuple[CatalogStore, EngineScraper]
+) -> None:
+    """A set annotated ``sglang`` whose pod serves vLLM's metrics says so; a matching one does not."""
+    store, scraper_ = scraper
+    vllm, sglang = await sim(), await sim(engine_kind="sglang")
+    declared = [
+        LocalWorkerSet("wrong", MODEL, [vllm.address], engine="sglang"),
+        LocalWorkerSet("right", "other-model", [sglang.address], engine="sglang"),
+    ]
+    store.publish(catalog_of(declared))
+    await until(scraper_, vllm.address, lambda e: e.usable is not None)
+    found = await until(scraper_, sglang.address, lambda e: e.usable is not None)
+    assert found.signals is not None and found.signals.engine_kind == "sglang"
+    assert scraper_.kind_problems() == {
+        WorkerSetKey("default/wrong"): [
+            f"endpoint {vllm.address} serves vllm metrics but its worker set declares "
+            "kinference.buoyant.io/engine: sglang"
+        ]
+    }
+    assert scraper_.debug_state()["endpoints"][vllm.address]["signals"]["engineKind"] == "vllm"
+    store.publish(
+        catalog_of([LocalWorkerSet("wrong", MODEL, [vllm.address])])
+    )  # undeclared: no claim to check
+    assert scraper_.kind_problems() == {}

@@ -185,3 +185,12 @@ def test_sglang_page_under_openmetrics_names_and_before_any_cache_hit() -> None:
     signals = parse_signals(page)
     assert (signals.running, signals.waiting) == (3, 500)
     assert (signals.prefix_cache_queries, signals.prefix_cache_hits) == (1000.0, 0.0)
+
+
+def test_the_page_tells_which_engine_serves() -> None:
+    """vLLM's names or SGLang's: the engine kind is read off the page (None when it mixes both)."""
+    vllm = 'vllm:num_requests_running{engine="0",model_name="m"} 1\n'
+    sglang = 'sglang:num_queue_reqs{engine_type="unified",model_name="m"} 2\n'
+    assert parse_signals(vllm).engine_kind == "vllm"
+    assert parse_signals(sglang).engine_kind == "sglang"
+    assert parse_signals(vllm + sglang).engine_kind is None
