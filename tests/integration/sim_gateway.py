@@ -29,10 +29,11 @@ from extproc.openai import read_request
 from extproc.serve.app import Server
 from extproc.settings import PrefixSettings, ServeSettings, SourceSettings, TokenizerSpec
 from extproc.sim.engine_core import EngineParams
+from extproc.sim.kv_wire import EventEncoding
 from extproc.sim.server import SimServer
 from extproc.sim.settings import KVEventSettings, SimSettings
 from extproc.tokenize.registry import SHIPPED_TOKENIZER
-from extproc.types import EndpointAddress
+from extproc.types import EndpointAddress, EngineKind
 
 LLAMA = "meta-llama/Meta-Llama-3-8B-Instruct"
 CHAT = "/v1/chat/completions"
@@ -42,9 +43,14 @@ BLOCK = 16
 ENGINE = EngineParams(num_gpu_blocks=2048, max_model_len=4096, max_num_batched_tokens=4096)
 
 
-def engine_settings(*, chat_template: str = "llama3", time_scale: float = 0.01) -> SimSettings:
-    """One engine serving :data:`LLAMA` only, with KV events + replay on free ports."""
+def engine_settings(
+    *, chat_template: str = "llama3", time_scale: float = 0.01, engine_kind: EngineKind = "vllm"
+) -> SimSettings:
+    """One engine serving :data:`LLAMA` only, with KV events + replay on free ports (SGLang's or
+    vLLM's surface)."""
+    encoding = EventEncoding.SGLANG if engine_kind == "sglang" else EventEncoding.MAPS
     return SimSettings(
+        engine_kind=engine_kind,
         listen="127.0.0.1:0",
         model=LLAMA,
         served_model_names=(LLAMA,),
@@ -52,7 +58,7 @@ def engine_settings(*, chat_template: str = "llama3", time_scale: float = 0.01) 
         engine=ENGINE,
         time_scale=time_scale,
         enable_prompt_tokens_details=True,
-        kv_events=KVEventSettings(port=0, replay_port=0),
+        kv_events=KVEventSettings(port=0, replay_port=0, encoding=encoding),
     )
 
 
@@ -62,14 +68,18 @@ def kv_ports(engine: SimServer) -> tuple[int, int | None]:
     return kv_ports_of(events["endpoint"], events["replay_endpoint"])
 
 
-def worker_set(engines: Sequence[SimServer], *, name: str = "llama") -> LocalWorkerSet:
-    """The engines as one worker set of :data:`LLAMA` (alias ``chat``) declaring its KV events."""
+def worker_set(
+    engines: Sequence[SimServer], *, name: str = "llama", engine: str | None = None
+) -> LocalWorkerSet:
+    """The engines as one worker set of :data:`LLAMA` (alias ``chat``) declaring its KV events
+    (and its engine, when given)."""
     return LocalWorkerSet(
         name,
         LLAMA,
         [e.address for e in engines],
         aliases=("chat",),
         kv_ports={e.address: kv_ports(e) for e in engines},
+        engine=engine,
     )
 
 
