@@ -64,7 +64,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"{ep['max_num_batched_tokens']}, prefill {ep['prefill_tokens_per_s']:.0f} tok/s, decode "
         f"{ep['decode_base_s'] * 1000:g} ms + {ep['decode_per_seq_s'] * 1000:g} ms/seq per step."
         + _offload(ep),
-        f"Transport: {c['transport']}. Engine signals: {c['engine_signals']}.",
+        f"Transport: {c['transport']}. Engine signals: {c['engine_signals']}. "
+        f"Engines show {c.get('engine_kind', 'vllm')}'s surface (metric names, KV-event encoding).",
         "",
         f"**Upper bound** (one unbounded cache that saw every earlier request): "
         f"{ub['hit_rate_tokens']:.1%} of prompt tokens (token-exact), "

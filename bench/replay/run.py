@@ -134,15 +134,19 @@ def fleet_main(config: dict[str, Any], conn: Connection) -> None:
 
 async def _fleet(config: dict[str, Any], conn: Connection) -> None:
     from extproc.sim.fleet import SimFleet
+    from extproc.sim.kv_wire import EventEncoding
     from extproc.sim.settings import KVEventSettings, SimSettings
 
+    kind = config.get("engine_kind", "vllm")
+    encoding = EventEncoding.SGLANG if kind == "sglang" else EventEncoding.MAPS
     settings = SimSettings(
+        engine_kind=kind,
         listen="127.0.0.1:0",
         served_model_names=(MODEL,),
         engine=EngineParams(**config["engine"]),
         time_scale=config["time_scale"],
         enable_prompt_tokens_details=True,
-        kv_events=KVEventSettings(port=0, replay_port=0),
+        kv_events=KVEventSettings(port=0, replay_port=0, encoding=encoding),
     )
     observed: dict[str, dict[str, list[float]]] = {}
     cpu0 = time.process_time()
@@ -225,6 +229,8 @@ class Config:
     seed: int = 1
     #: Scrape each engine's /metrics every this many simulated seconds; 0 = no engine signals.
     scrape_interval: float = 0.0
+    #: Whose surface the simulated engines show (metric names, KV-event encoding): vllm or sglang.
+    engine_kind: str = "vllm"
 
 
 async def run_arm(arm: Arm, requests: list[TraceRequest], cfg: Config, vocab: int) -> dict[str, Any]:
@@ -233,7 +239,15 @@ async def run_arm(arm: Arm, requests: list[TraceRequest], cfg: Config, vocab: in
     parent, child = ctx.Pipe()
     proc = ctx.Process(
         target=fleet_main,
-        args=({"engines": cfg.engines, "time_scale": cfg.time_scale, "engine": cfg.engine}, child),
+        args=(
+            {
+                "engines": cfg.engines,
+                "time_scale": cfg.time_scale,
+                "engine": cfg.engine,
+                "engine_kind": cfg.engine_kind,
+            },
+            child,
+        ),
         daemon=True,
     )
     proc.start()
@@ -487,6 +501,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,
         help="simulated seconds between scrapes of each engine's /metrics; 0 = no engine signals (0)",
     )
+    p.add_argument(
+        "--engine",
+        choices=["vllm", "sglang"],
+        default="vllm",
+        help="the simulated engines' surface: metric names and KV-event encoding (vllm)",
+    )
     p.add_argument("--only", nargs="*", help="run only the policies whose names start with these")
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--out", type=Path, default=REPO / "bench/results/replay.json")
@@ -507,7 +527,14 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": 131_072,
         "cpu_offload_blocks": args.cpu_offload_blocks,
     }
-    cfg = Config(args.engines, args.time_scale, args.output_cap, engine, scrape_interval=args.scrape_interval)
+    cfg = Config(
+        args.engines,
+        args.time_scale,
+        args.output_cap,
+        engine,
+        scrape_interval=args.scrape_interval,
+        engine_kind=args.engine,
+    )
     vocab = shipped_tokenizer().vocab_size
     bound = upper_bound(requests, engine_block=16)
     # The CPU tier is write-through (a superset of the GPU's blocks, mostly): an engine holds about
@@ -522,6 +549,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             "time_scale": cfg.time_scale,
             "output_cap": cfg.output_cap,
             "engine_params": asdict(EngineParams(**engine)),
+            "engine_kind": cfg.engine_kind,
             "vocab_size": vocab,
             "transport": "bench -> engine HTTP directly (no Envoy), streaming /v1/completions, "
             "token-id prompts",
