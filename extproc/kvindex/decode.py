@@ -14,6 +14,8 @@ The wire (reference §1.3-§1.5): a batch is a msgpack array ``[ts, events]`` (v
 - events of a secondary KV-cache group of a hybrid model (sliding window, mamba, ...: a
   ``kv_cache_spec_kind`` that is not full/MLA attention, or ``group_idx`` > 0 without a kind) are
   left out and counted in :attr:`DecodedBatch.ignored`, as Dynamo does;
+- SGLang's EAGLE radix trees publish ``token_ids`` as ``[a, b]`` bigram pairs, pair j being
+  (token j, token j + 1) of the page: the first elements are the page's own tokens, read as such;
 - a salted prompt's first blocks carry its ``cache_salt``: SGLang names it (``cache_salt``), vLLM
   (0.17+) puts it in the first block's ``extra_keys`` entry (see :func:`vllm_salt`);
 - only a batch that is unusable as a whole raises :class:`KVDecodeError`: not msgpack, not an array
@@ -106,6 +108,13 @@ class _MapStored(msgspec.Struct, gc=False, tag_field="type", tag="BlockStored"):
     cache_salt: str | None = None
 
 
+class _BigramStored(_MapStored, tag="BlockStored"):
+    """SGLang with EAGLE: ``token_ids`` as ``[token j, token j + 1]`` pairs (tried only when the
+    plain form fails)."""
+
+    token_ids: tuple[tuple[int, int], ...]  # type: ignore[assignment]
+
+
 class _MapRemoved(msgspec.Struct, gc=False, tag_field="type", tag="BlockRemoved"):
     block_hashes: tuple[WireHash, ...]
     medium: str | None = None
@@ -148,6 +157,7 @@ _FAST_DECODERS: Final = (msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Dec
 _LOOSE_DECODER: Final = msgspec.msgpack.Decoder(_LooseBatch)
 _ARRAY_EVENT_DECODER: Final = msgspec.msgpack.Decoder(_ArrayEvent)
 _MAP_EVENT_DECODER: Final = msgspec.msgpack.Decoder(_MapEvent)
+_BIGRAM_DECODER: Final = msgspec.msgpack.Decoder(_BigramStored)
 _RANK_DECODER: Final = msgspec.msgpack.Decoder(int | None)
 #: First byte of a msgpack map: fixmap 0x80-0x8f, map16 0xde, map32 0xdf.
 _MAP_HEADERS: Final = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
@@ -180,14 +190,28 @@ def _decode_loose(payload: bytes) -> DecodedBatch:
     wire: list[_WireEvent] = []
     skipped = 0
     for raw in loose.events:
-        decoder = _MAP_EVENT_DECODER if memoryview(raw)[0] in _MAP_HEADERS else _ARRAY_EVENT_DECODER
+        is_map = memoryview(raw)[0] in _MAP_HEADERS
+        decoder = _MAP_EVENT_DECODER if is_map else _ARRAY_EVENT_DECODER
         try:
             wire.append(decoder.decode(raw))
+            continue
         except Exception:  # a bad event costs only itself
+            pass
+        try:
+            if not is_map:
+                raise ValueError("not a map")
+            wire.append(_first_of_pairs(_BIGRAM_DECODER.decode(raw)))
+        except Exception:  # neither form: a bad event costs only itself
             skipped += 1
     events, invalid, ignored = _to_domain(wire)
     rank = _rank(loose.dp_rank)
     return DecodedBatch(ts=loose.ts, events=events, dp_rank=rank, skipped=skipped + invalid, ignored=ignored)
+
+
+def _first_of_pairs(bigram: _BigramStored) -> _MapStored:
+    """An EAGLE page as a plain one: pair j's first element is the page's token j."""
+    fields = {f: getattr(bigram, f) for f in _MapStored.__struct_fields__}
+    return _MapStored(**{**fields, "token_ids": tuple(pair[0] for pair in bigram.token_ids)})
 
 
 def _describe(exc: msgspec.ValidationError) -> str:

@@ -479,3 +479,19 @@ def test_decodes_what_an_sglang_engine_publishes() -> None:
         BlockStored((head[1],), head[0], TOKENS[16:], 16, None, "GPU"),  # salt only where a chain starts
         BlockRemoved((head[1],), "GPU"),
     ]
+
+
+def test_sglang_eagle_bigram_pages_index_as_their_first_tokens() -> None:
+    """EAGLE pages carry (token j, token j+1) pairs: their first elements are the page's tokens."""
+    pairs = [[t, t + 1] for t in TOKENS[:16]]
+    eagle = {"type": "BlockStored", "block_hashes": [-5], "parent_block_hash": None, "token_ids": pairs,
+             "block_size": 16, "lora_id": None, "medium": "GPU"}  # fmt: skip
+    plain = stored_map([9], tokens=TOKENS[:16])
+    batch = decode_batch(pack(0.0, [eagle, plain], 0))
+    assert batch.skipped == 0
+    assert batch.events == [
+        BlockStored(((-5) & U64,), None, TOKENS[:16], 16, None, "GPU"),
+        BlockStored((9,), None, TOKENS[:16], 16, None, "GPU"),
+    ]
+    ragged = {**eagle, "token_ids": [[1, 2, 3]] * 16}
+    assert decode_batch(pack(0.0, [ragged], 0)).skipped == 1
