@@ -1,12 +1,13 @@
 """Native memory a grpc.aio server keeps for each stream its client resets, against streams that end
-cleanly: why `serve` ends every routing stream itself (issue 14's soak; grpc/grpc#43360).
+cleanly (issue 14's soak; grpc/grpc#43360): what Envoy's resets of routing streams cost `serve`.
 
 A grpc.aio server (a child process, bidirectional streams that wait for the next message, as an
 ext_proc handler does) takes ``--streams`` streams from this process in each of two ways:
 
 - **reset**: the client cancels the stream while the server waits for a message (what Envoy did to
   about half of the routing streams when the HTTP request finished first);
-- **closed**: the client half-closes and the server's handler returns (what `serve` now does).
+- **closed**: the client half-closes and the server's handler returns (what ending each routing
+  stream from `serve` at the response headers would give; tried, and undone for now: see README).
 
 The server reports glibc's ``mallinfo2`` bytes in use before and after (Python objects are
 collected first, so what remains is native). Writes ``bench/results/grpc_resets.{json,md}``.

@@ -91,8 +91,10 @@ def write_catalog(path: Path, sets: Sequence[LocalWorkerSet]) -> None:
 
 
 def router_settings(catalog: Path, *, chat_template: str = "llama3", seed: int = 1) -> ServeSettings:
-    """``serve --source file:CATALOG --tokenizer LLAMA=extproc:tiny --chat-template LLAMA=...``."""
+    """``serve --source file:CATALOG --tokenizer LLAMA=extproc:tiny --chat-template LLAMA=...
+    --decision-headers`` (the headers explain a test's failure: what the router picked, and why)."""
     return ServeSettings(
+        decision_headers=True,
         source=SourceSettings.parse(f"file:{catalog}", poll_interval=0.05),
         listen=f"127.0.0.1:{free_port()}",
         admin_listen="127.0.0.1:0",

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +59,24 @@ class SimGateway:
     engines: list[SimServer]
     catalog: Path
     session: aiohttp.ClientSession
+    decisions: list[dict[str, str]] = field(default_factory=list)
 
     async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         async with self.session.post(self.url + path, json=body) as resp:
             text = await resp.text()
             assert resp.status == 200, text
+            self.decisions.append({k: v for k, v in resp.headers.items() if k.startswith("x-extproc-")})
             answer: dict[str, Any] = await resp.json()
             return answer
+
+    def why(self) -> dict[str, Any]:
+        """For a failed assertion: the router's last decisions (its pick, prefix credit, predicted
+        TTFT) and what it knew of each engine's load."""
+        engines = self.server.scraper.debug_state()["endpoints"]
+        return {
+            "decisions": self.decisions[-3:],
+            "signals": {a: (e["signals"], e["ageSeconds"], e["suspect"]) for a, e in engines.items()},
+        }
 
     def others(self, address: str) -> list[str]:
         return [e.address for e in self.engines if e.address != address]
@@ -188,7 +199,7 @@ async def test_follow_ups_sharing_a_long_prefix_land_on_the_engine_holding_it(
     answers = await asyncio.gather(*(gw.post(CHAT, b) for b in bodies))
     assert delta(before, finished(gw.engines)) == {
         e.address: len(bodies) if e.address == owner else 0 for e in gw.engines
-    }
+    }, gw.why()
     for body, got in zip(bodies, answers, strict=True):
         follow_ids = prompt_ids(gw.server, body)
         shared = common_prefix(follow_ids, ids) // BLOCK * BLOCK
@@ -251,7 +262,7 @@ async def test_different_prefixes_spread_over_engines_then_stick(
             )
             before = finished(gw.engines)
             answer = await gw.post(CHAT, chat(system, f"Another question, round {_round}?"))
-            assert served_by(before, gw.engines) == owner
+            assert served_by(before, gw.engines) == owner, gw.why()
             assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 300 // BLOCK * BLOCK
 
 
@@ -294,7 +305,7 @@ async def test_a_chat_the_routers_template_refuses_routes_approximately(
     await eventually(lambda: gw.server.inflight.total == 0, what="the first chat no longer in flight")
     before = finished(gw.engines)
     again = await gw.post(CHAT, body)
-    assert served_by(before, gw.engines) == first
+    assert served_by(before, gw.engines) == first, gw.why()
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
     # Chats the template can render are still matched precisely.
