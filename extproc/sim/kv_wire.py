@@ -18,10 +18,12 @@ The batch itself is ``array_like`` in every version: ``[ts: float64, events, dat
 
 SGLang 0.5.23 (``srt/disaggregation/kv_events.py``, ``srt/mem_cache/events.py``) publishes the same
 batch shell (``[ts, events, attn_dp_rank]``, the rank always filled in by its publisher) with its
-own ``BlockStored``: one event per page (``block_hashes`` of one hash, chained by
-``parent_block_hash``), ``lora_id`` always nil, the storing request's ``cache_salt`` on every page,
-media ``GPU`` / ``CPU_PINNED``, and each hash the *first* 8 bytes of the page's SHA-256 digest as a
-signed int64 (``hash_str_to_int64``). :data:`EventEncoding.SGLANG` writes exactly that.
+own ``BlockStored``: recorded per page, then coalesced (``KVCacheEventRecorder.enqueue``): a page
+that continues the previous event's last page with the same medium, block size, salt, session and
+LoRA extends that event, and consecutive ``BlockRemoved`` of one medium merge too. ``lora_id`` is
+always nil, the storing request's ``cache_salt`` is on every event, media are ``GPU`` /
+``CPU_PINNED``, and each hash is the *first* 8 bytes of the page's SHA-256 digest as a signed int64
+(``hash_str_to_int64``). :data:`EventEncoding.SGLANG` writes exactly that.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class EventEncoding(enum.StrEnum):
     ARRAYS = "arrays"
     #: vLLM >= 0.24: ``{"type": tag, ...}``; fields defaulting to nil are omitted when nil.
     MAPS = "maps"
-    #: SGLang 0.5: tagged maps with its own field set, one event per page, signed int64 hashes.
+    #: SGLang 0.5: tagged maps with its own field set, coalesced pages, signed int64 hashes.
     SGLANG = "sglang"
 
 
@@ -150,7 +152,7 @@ class _SGLangEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 class _SGLangBlockStored(_SGLangEvent, tag="BlockStored"):
     block_hashes: list[int]
     parent_block_hash: int | None
-    token_ids: Sequence[int]
+    token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None = None
@@ -183,31 +185,65 @@ def sglang_hash(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-def _sglang_events(event: KVEvent) -> list[Any]:
-    if isinstance(event, BlockStored):
-        medium = _SGLANG_MEDIA.get(event.medium, event.medium)
-        size, parent, pages = event.block_size, event.parent_block_hash, []
-        for index, digest in enumerate(event.block_hashes):
-            pages.append(
-                _SGLangBlockStored(
+def _sglang_events(events: Sequence[KVEvent]) -> list[Any]:
+    """One step's events as SGLang's recorder queues them: page by page, coalesced with the tail."""
+    queue: list[Any] = []
+    for event in events:
+        if isinstance(event, BlockStored):
+            medium = _SGLANG_MEDIA.get(event.medium, event.medium)
+            size, parent = event.block_size, event.parent_block_hash
+            for index, digest in enumerate(event.block_hashes):
+                page = _SGLangBlockStored(
                     block_hashes=[sglang_hash(digest)],
                     parent_block_hash=None if parent is None else sglang_hash(parent),
-                    token_ids=event.token_ids[index * size : (index + 1) * size],
+                    token_ids=list(event.token_ids[index * size : (index + 1) * size]),
                     block_size=size,
                     lora_id=None,
                     medium=medium,
                     cache_salt=event.cache_salt,
                     lora_name=event.lora_name,
                 )
-            )
-            parent = digest
-        return pages
-    if isinstance(event, BlockRemoved):
-        medium = _SGLANG_MEDIA.get(event.medium, event.medium)
-        return [_SGLangBlockRemoved([sglang_hash(h) for h in event.block_hashes], medium)]
-    if isinstance(event, AllBlocksCleared):
-        return [_SGLangAllBlocksCleared()]
-    raise TypeError(f"not a KV event: {event!r}")
+                _enqueue(queue, page)
+                parent = digest
+        elif isinstance(event, BlockRemoved):
+            medium = _SGLANG_MEDIA.get(event.medium, event.medium)
+            _enqueue(queue, _SGLangBlockRemoved([sglang_hash(h) for h in event.block_hashes], medium))
+        elif isinstance(event, AllBlocksCleared):
+            queue.append(_SGLangAllBlocksCleared())
+        else:
+            raise TypeError(f"not a KV event: {event!r}")
+    return queue
+
+
+def _enqueue(queue: list[Any], event: Any) -> None:
+    """SGLang's coalescing: removals of one medium merge; a page continuing the tail's last page,
+    alike in everything else, extends it."""
+    tail = queue[-1] if queue else None
+    if isinstance(tail, _SGLangBlockRemoved) and isinstance(event, _SGLangBlockRemoved):
+        if tail.medium == event.medium:
+            tail.block_hashes.extend(event.block_hashes)
+            return
+    elif isinstance(tail, _SGLangBlockStored) and isinstance(event, _SGLangBlockStored):
+        alike = (
+            tail.medium,
+            tail.lora_id,
+            tail.block_size,
+            tail.cache_salt,
+            tail.session_id,
+            tail.lora_name,
+        ) == (
+            event.medium,
+            event.lora_id,
+            event.block_size,
+            event.cache_salt,
+            event.session_id,
+            event.lora_name,
+        )
+        if alike and tail.block_hashes and event.parent_block_hash == tail.block_hashes[-1]:
+            tail.block_hashes.extend(event.block_hashes)
+            tail.token_ids.extend(event.token_ids)
+            return
+    queue.append(event)
 
 
 _STRUCTS: dict[str, tuple[type[Any], type[Any], type[Any]]] = {
@@ -270,8 +306,9 @@ def encode_batch(
     encoding has one hash form of its own: ``hash_format`` does not apply to it.
     """
     if encoding == EventEncoding.SGLANG:
-        pages = [wire for event in events for wire in _sglang_events(event)]
-        return _ENCODER.encode(_SGLangBatch(ts=float(ts), events=pages, attn_dp_rank=dp_rank))
+        return _ENCODER.encode(
+            _SGLangBatch(ts=float(ts), events=_sglang_events(events), attn_dp_rank=dp_rank)
+        )
     try:
         structs = _STRUCTS[encoding]
     except KeyError:

@@ -1,7 +1,7 @@
 """SGLang engines behind the router, alone and beside vLLM ones: real Envoy -> router -> simulated engines.
 
 The engines are ``extproc sim --engine sglang``: SGLang 0.5.23's metric names, routes and KV-event
-encoding (one event per page, signed first-8-byte hashes) over the same engine model. Every claim
+encoding (coalesced pages, signed first-8-byte hashes) over the same engine model. Every claim
 is checked with the engines' own counters (who served, how many prompt tokens came from cache).
 """
 

@@ -466,7 +466,7 @@ def test_fuzz_never_raises_anything_but_kvdecodeerror(kind: str) -> None:
 
 
 def test_decodes_what_an_sglang_engine_publishes() -> None:
-    """SGLang's pages (one event each, signed int64 hashes, salt on every page) chain as one prefix."""
+    """SGLang's coalesced pages (signed int64 hashes, the salt on every event) index as one prefix."""
     salted = sim.BlockStored((D1, D2), None, TOKENS, 16, None, None, cache_salt="tenant-a")
     payload = encode_batch(
         [salted, sim.BlockRemoved((D2,))], ts=1.0, dp_rank=2, encoding="sglang", hash_format="int"
@@ -475,10 +475,15 @@ def test_decodes_what_an_sglang_engine_publishes() -> None:
     head = [int.from_bytes(d[:8], "big") for d in (D1, D2)]
     assert batch.dp_rank == 2 and batch.skipped == 0
     assert batch.events == [
-        BlockStored((head[0],), None, TOKENS[:16], 16, None, "GPU", "tenant-a"),
-        BlockStored((head[1],), head[0], TOKENS[16:], 16, None, "GPU"),  # salt only where a chain starts
+        BlockStored((head[0], head[1]), None, TOKENS, 16, None, "GPU", "tenant-a"),
         BlockRemoved((head[1],), "GPU"),
     ]
+    # A continuation carries the salt too, but chains from its parent's key: the salt is not re-read.
+    rest = sim.BlockStored((D3,), D2, TOKENS[:16], 16, None, None, cache_salt="tenant-a")
+    (event,) = decode_batch(
+        encode_batch([rest], ts=1.0, dp_rank=0, encoding="sglang", hash_format="int")
+    ).events
+    assert isinstance(event, BlockStored) and event.cache_salt is None
 
 
 def test_sglang_eagle_bigram_pages_index_as_their_first_tokens() -> None:

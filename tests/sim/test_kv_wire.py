@@ -244,40 +244,30 @@ def test_sglang_payload_is_what_sglangs_own_structs_encode() -> None:
     """Decoded with SGLang's declarations and encoded again, the payload is byte for byte the same."""
     salted = BlockStored((H1, NEGATIVE), None, TOKENS, 16, 2, "sql-lora", cache_salt="tenant-a")
     cpu = BlockStored((H2,), None, TOKENS[:16], 16, None, None, medium="CPU")
-    events: list[KVEvent] = [STORED, salted, REMOVED, cpu, AllBlocksCleared()]
+    removals: list[KVEvent] = [BlockRemoved((H1,)), BlockRemoved((H2,)), BlockRemoved((H1,), medium="CPU")]
+    events: list[KVEvent] = [STORED, salted, *removals, cpu, AllBlocksCleared()]
     payload = encode_batch(events, ts=2.5, dp_rank=3, encoding="sglang", hash_format="int")
     batch = msgspec.msgpack.decode(payload, type=SGLangBatch)
     assert msgspec.msgpack.encode(batch) == payload
     assert (batch.ts, batch.attn_dp_rank) == (2.5, 3)
-    # One BlockStored per page, chained; hashes are the digests' first 8 bytes, signed.
+    # Pages coalesce while they continue the previous one alike; hashes are the digests' first 8
+    # bytes, signed; removals of one medium merge.
+    h1, h2, negative = signed_head(H1), signed_head(H2), signed_head(NEGATIVE)
     assert batch.events == [
-        SGLangStored([signed_head(H1)], None, list(TOKENS[:16]), 16, None, "GPU"),
-        SGLangStored([signed_head(H2)], signed_head(H1), list(TOKENS[16:]), 16, None, "GPU"),
-        SGLangStored(
-            [signed_head(H1)], None, list(TOKENS[:16]), 16, None, "GPU", "tenant-a", None, "sql-lora"
-        ),
-        SGLangStored(
-            [signed_head(NEGATIVE)],
-            signed_head(H1),
-            list(TOKENS[16:]),
-            16,
-            None,
-            "GPU",
-            "tenant-a",
-            None,
-            "sql-lora",
-        ),
-        SGLangRemoved([signed_head(H1)], "GPU"),
-        SGLangStored([signed_head(H2)], None, list(TOKENS[:16]), 16, None, "CPU_PINNED"),
+        SGLangStored([h1, h2], None, list(TOKENS), 16, None, "GPU"),
+        SGLangStored([h1, negative], None, list(TOKENS), 16, None, "GPU", "tenant-a", None, "sql-lora"),
+        SGLangRemoved([h1, h2], "GPU"),
+        SGLangRemoved([h1], "CPU_PINNED"),
+        SGLangStored([h2], None, list(TOKENS[:16]), 16, None, "CPU_PINNED"),
         SGLangCleared(),
     ]
     assert signed_head(NEGATIVE) < 0  # a negative int64 on the wire (msgpack int, not uint64)
     raw = decode(payload)
     assert raw[1][0] == {
         "type": "BlockStored",
-        "block_hashes": [signed_head(H1)],
+        "block_hashes": [h1, h2],
         "parent_block_hash": None,
-        "token_ids": list(TOKENS[:16]),
+        "token_ids": list(TOKENS),
         "block_size": 16,
         "lora_id": None,
         "medium": "GPU",
