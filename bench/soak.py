@@ -189,6 +189,8 @@ class Serving:
     memtrace: Path | None = None
     #: Where serve's log goes (warnings and errors); nowhere by default.
     log: Path | None = None
+    #: Run serve under ``memray run --native`` writing this capture (memray installed by hand).
+    memray: Path | None = None
 
 
 async def soak(
@@ -204,6 +206,18 @@ async def soak(
                 serving.memtrace.mkdir(parents=True, exist_ok=True)
                 os.environ["EXTPROC_MEMTRACE_DIR"] = str(serving.memtrace)
                 serve.launcher = (str(HERE / "memtrace.py"),)
+            elif serving.memray is not None:
+                serve.launcher = (
+                    "-m",
+                    "memray",
+                    "run",
+                    "--native",
+                    "--force",
+                    "-o",
+                    str(serving.memray),
+                    "-m",
+                    "extproc",
+                )
             await serve.start()
             try:
                 config, listen, _ = gateway("gateway.yaml", serve, engines)
@@ -388,6 +402,12 @@ def main() -> None:
         "--serve-log", type=Path, default=None, help="write serve's warnings and errors to this file"
     )
     p.add_argument(
+        "--memray",
+        type=Path,
+        default=None,
+        help="run serve under `memray run --native`, capture to FILE (pip install memray first; slows serve)",
+    )
+    p.add_argument(
         "--rejudge",
         action="store_true",
         help="no new run: judge the samples in --out again with --warmup (the report says so)",
@@ -399,7 +419,7 @@ def main() -> None:
         results["soak"]["warmup_rejudged"] = True
         judge(results["soak"], warmup)
     else:
-        serve_args = Serving(tuple(args.serve_arg), args.memtrace, args.serve_log)
+        serve_args = Serving(tuple(args.serve_arg), args.memtrace, args.serve_log, args.memray)
         result = asyncio.run(soak(args.rate, args.duration, args.sample, warmup, args.seed, serve_args))
         results = {"machine": machine(), "soak": result}
     result = results["soak"]
