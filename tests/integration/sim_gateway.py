@@ -33,6 +33,7 @@ from extproc.sim.kv_wire import EventEncoding
 from extproc.sim.server import SimServer
 from extproc.sim.settings import KVEventSettings, SimSettings
 from extproc.tokenize.registry import SHIPPED_TOKENIZER
+from extproc.tokenize.shipped import shipped_tokenizer
 from extproc.types import EndpointAddress, EngineKind
 
 LLAMA = "meta-llama/Meta-Llama-3-8B-Instruct"
@@ -102,6 +103,17 @@ def router_settings(catalog: Path, *, chat_template: str = "llama3", seed: int =
         drain_seconds=0.5,
         prefix=PrefixSettings(tokenizers=(TokenizerSpec(LLAMA, SHIPPED_TOKENIZER, chat_template),)),
     )
+
+
+def tokens(text: str) -> int:
+    """``text``'s length in the shipped tokenizer's tokens."""
+    return len(shipped_tokenizer().encode(text, add_special_tokens=False))
+
+
+def chat(system: str, question: str, **extra: Any) -> dict[str, Any]:
+    """A chat to the alias ``chat``: a system prompt and one question, 4 tokens of answer."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return {"model": "chat", "messages": messages, "max_tokens": 4, **extra}
 
 
 def sources(server: Server) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from waiting import eventually
 from extproc.kvindex.events import Source
 from extproc.serve.app import Server
 from extproc.sim.server import SimServer
-from extproc.tokenize.shipped import shipped_template, shipped_tokenizer
+from extproc.tokenize.shipped import shipped_template
 from extproc.types import EndpointAddress
 
 from .sim_gateway import (
@@ -31,6 +31,7 @@ from .sim_gateway import (
     CHAT,
     COMPLETIONS,
     LLAMA,
+    chat,
     common_prefix,
     delta,
     engine_settings,
@@ -42,6 +43,7 @@ from .sim_gateway import (
     router_settings,
     sources,
     sync_sources,
+    tokens,
     warm_up_body,
     worker_set,
     write_catalog,
@@ -131,15 +133,6 @@ async def sim_gateway(
             return SimGateway(gateway.url, server, sims, catalog, session)
 
         yield start
-
-
-def tokens(text: str) -> int:
-    return len(shipped_tokenizer().encode(text, add_special_tokens=False))
-
-
-def chat(system: str, question: str, **extra: Any) -> dict[str, Any]:
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-    return {"model": "chat", "messages": messages, "max_tokens": 4, **extra}
 
 
 def served_by(before: dict[str, int], engines: list[SimServer]) -> str:

@@ -18,17 +18,18 @@ from waiting import eventually
 
 from extproc.serve.app import Server
 from extproc.sim.server import SimServer
-from extproc.tokenize.shipped import shipped_tokenizer
 from extproc.types import EngineKind
 
 from .sim_gateway import (
     CHAT,
     LLAMA,
+    chat,
     engine_settings,
     finished,
     long_text,
     router_settings,
     sync_sources,
+    tokens,
     worker_set,
     write_catalog,
 )
@@ -63,15 +64,6 @@ async def pool(envoy_gateway: Callable[..., Awaitable[Any]], tmp_path: Path) -> 
             return gateway.url, server, engines, session
 
         yield start
-
-
-def tokens(text: str) -> int:
-    return len(shipped_tokenizer().encode(text, add_special_tokens=False))
-
-
-def chat(system: str, question: str, **extra: Any) -> dict[str, Any]:
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-    return {"model": "chat", "messages": messages, "max_tokens": 4, **extra}
 
 
 async def routed(
