@@ -230,7 +230,10 @@ def add_routes(
         )
 
     async def detokenize(request: web.Request) -> web.StreamResponse:
-        body = orjson.loads(await request.read() or b"{}")
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
+            raise SimRequestError(400, f"the request body is not valid JSON: {exc}") from None
         tokens = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
             raise SimRequestError(400, "'tokens' must be a list of token ids", param="tokens")

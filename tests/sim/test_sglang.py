@@ -69,6 +69,8 @@ async def test_models_and_tokenize_answer_in_sglangs_shapes(
         assert answer == {"tokens": expected, "count": len(expected), "max_model_len": 512}
     status, answer = await call(http, server, "POST", "/v1/detokenize", {"tokens": expected[-3:]})
     assert status == 200 and set(answer) == {"text"}
+    async with http.post(f"http://{server.address}/detokenize", data=b"{nope") as resp:
+        assert resp.status == 400 and (await resp.json())["object"] == "error"
 
 
 async def test_server_info_describes_the_kv_event_publisher(
