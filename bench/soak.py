@@ -212,6 +212,7 @@ async def soak(
                     "memray",
                     "run",
                     "--native",
+                    "--aggregate",  # a capture of GBs otherwise; leaks and peaks are still there
                     "--force",
                     "-o",
                     str(serving.memray),
