@@ -180,10 +180,10 @@ def server_info(engine: Engine) -> dict[str, Any]:
     """``/server_info``: the resolved server arguments a router reads, and the KV-event descriptor."""
     settings = engine.settings
     kv = settings.kv_events
-    ranks = [rank.publisher for rank in engine.ranks]
+    publishers = [rank.publisher for rank in engine.ranks]
     descriptor = None
-    if kv is not None and ranks and ranks[0] is not None:
-        endpoint = ranks[0].endpoint  # tcp://host:port of rank 0; rank r adds r
+    if kv is not None and publishers and publishers[0] is not None:
+        endpoint = publishers[0].endpoint  # tcp://host:port of rank 0; rank r adds r
         host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
         descriptor = {
             "publisher": "zmq",
@@ -193,7 +193,7 @@ def server_info(engine: Engine) -> dict[str, Any]:
             "block_size": settings.engine.published_block_size or settings.engine.block_size,
             "dp_size": settings.data_parallel_size,
         }
-        replay = ranks[0].replay_endpoint
+        replay = publishers[0].replay_endpoint
         if replay:
             descriptor["replay_endpoint_port_base"] = int(replay.rpartition(":")[2])
     return {
