@@ -7,9 +7,10 @@ pool of simulated vLLM engines and on one of ``extproc sim --engine sglang`` eng
 differ only in what the router sees: metric names, routes and the KV-event encoding (one event per
 page, signed first-8-byte hashes); capacity and speed are the same.
 
-Each round also measures its own lag (the client's dispatch lag against the scaled trace clock) and
-the machine's CPU use outside this bench; a round whose dispatch lag p99 exceeds
-:data:`MAX_LAG_MS` is marked invalid (the machine could not keep up) and left out of the verdict.
+Each round also measures its own lag (the client's dispatch lag against the scaled trace clock, and
+how far the engines fell behind their model) and the machine's CPU use outside this bench; a round
+the replay's :func:`~bench.replay.report.validity` rejects is marked invalid (the machine could not
+keep up) and left out of the verdict.
 Writes ``bench/results/engine_kinds.{json,md}``.
 
     python -m bench.engine_kinds [--requests 3000] [--rounds 2] [--only ours]
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import machine, machine_busy_seconds, provenance, record
+from bench.replay.report import MAX_DISPATCH_LAG_MS, validity
 from bench.replay.run import TRACE, Config, default_arms, run_arm, summarize
 from bench.replay.trace import load, summary
 from extproc.sim.engine_core import EngineParams
@@ -34,9 +36,6 @@ from extproc.tokenize import shipped_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("vllm", "sglang")
-#: Dispatch lag p99 (wall ms) past which a round is invalid: requests left late, so the engines saw
-#: another trace than the one replayed.
-MAX_LAG_MS = 50.0
 #: The bar: SGLang within this fraction of vLLM on hit rate and mean TTFT.
 TOLERANCE = 0.05
 
@@ -56,7 +55,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             "output_cap": args.output_cap,
             "engine": engine,
             "rounds": args.rounds,
-            "max_lag_ms": MAX_LAG_MS,
+            "max_lag_ms": MAX_DISPATCH_LAG_MS,
         },
         "runs": [],
     }
@@ -85,7 +84,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                     "decide_ms_p50": s["decide_ms_p50"],
                     "other_cpu_share": max(0.0, others) / wall / (results["machine"]["cores"] or 1),
                     "wall_s": wall,
-                    "valid": s["dispatch_lag_ms_p99"] <= MAX_LAG_MS,
+                    "engine_lag_dropped_s": s["engine_lag_dropped_s"],
+                    "invalid_because": validity(s),
+                    "valid": validity(s) is None,
                 }
                 log.warning("round %d %s %s: %s", round_, kind, arm.name, run)
                 results["runs"].append(run)
@@ -131,7 +132,8 @@ def report(results: dict[str, Any]) -> str:
         f"time scale {c['time_scale']}, max_tokens = min(output, {c['output_cap']}). Both pools run the "
         "same engine model; they differ in what the router reads (metric names, routes, KV-event "
         "encoding). Rounds alternate the kinds. A round is invalid (left out of the verdict) when the "
-        f"client's dispatch lag p99 exceeds {c['max_lag_ms']:g} ms: the machine could not keep up.",
+        f"client's dispatch lag p99 exceeds {c['max_lag_ms']:g} ms or the engines fell behind their "
+        "model for more than 1% of the round: the machine could not keep up.",
         "",
         "| round | engines | policy | hit rate | TTFT mean s | TTFT p99 s | preemptions "
         "| dispatch lag p99 ms | other CPU | valid |",

@@ -11,6 +11,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
+#: An arm is invalid (the machine could not keep up, so it measured another trace or another engine)
+#: when its client sent requests later than this against the scaled trace clock (p99, wall ms) ...
+MAX_DISPATCH_LAG_MS = 50.0
+#: ... or when its engines together fell behind their model by more than this share of the arm's wall
+#: time (the engine loops drop the debt: model time jumps, steps look faster than modelled), beyond a
+#: one-off hiccup of :data:`ENGINE_LAG_ALLOWANCE_S` (a collection, a process starting).
+MAX_ENGINE_LAG_SHARE = 0.01
+ENGINE_LAG_ALLOWANCE_S = 0.5
+
+
+def validity(summary: dict[str, Any]) -> str | None:
+    """Why an arm's numbers cannot be trusted (its own lag measures), or None when they can."""
+    problems = []
+    if summary["dispatch_lag_ms_p99"] > MAX_DISPATCH_LAG_MS:
+        problems.append(f"dispatch lag p99 {summary['dispatch_lag_ms_p99']:.0f} ms > {MAX_DISPATCH_LAG_MS:g}")
+    dropped, wall = summary.get("engine_lag_dropped_s", 0.0), summary["wall_s"]
+    if dropped > max(ENGINE_LAG_ALLOWANCE_S, MAX_ENGINE_LAG_SHARE * wall):
+        problems.append(f"engines fell {dropped:.1f} s behind their model in {wall:.0f} s")
+    return "; ".join(problems) or None
+
 
 def _pooled(ub: dict[str, Any]) -> list[str]:
     """The capacity reference line, when the run computed it."""
@@ -95,17 +115,30 @@ def markdown(result: dict[str, Any]) -> str:
         "requests against the scaled trace clock; CPU in CPU-seconds):",
         "",
         "| policy | client TTFT p50 s | client TTFT p99 s | client e2e p99 s | decide ms p50 "
-        "| dispatch lag p99 ms | wall s | router+client CPU s | engines CPU s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| dispatch lag p99 ms | engine lag dropped s | wall s | router+client CPU s | engines CPU s "
+        "| valid |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+    invalid = []
     for arm in result["arms"]:
         s = arm["summary"]
+        why = validity(s)
+        if why is not None:
+            invalid.append(f"{s['policy']} ({why})")
         lines.append(
             f"| {s['policy']} | {_f(s['client_ttft_p50_s'])} | {_f(s['client_ttft_p99_s'])} "
             f"| {_f(s['client_e2e_p99_s'], 2)} | {_f(s['decide_ms_p50'], 2)} "
-            f"| {_f(s['dispatch_lag_ms_p99'], 1)} "
-            f"| {s['wall_s']:.0f} | {s['router_client_cpu_s']:.0f} | {s['engine_cpu_s']:.0f} |"
+            f"| {_f(s['dispatch_lag_ms_p99'], 1)} | {_f(s.get('engine_lag_dropped_s'), 1)} "
+            f"| {s['wall_s']:.0f} | {s['router_client_cpu_s']:.0f} | {s['engine_cpu_s']:.0f} "
+            f"| {'yes' if why is None else '**NO**'} |"
         )
+    if invalid:
+        lines += [
+            "",
+            "**INVALID arms: the machine could not keep up, so their numbers describe another trace or "
+            "slower engines, not the routing:** " + "; ".join(invalid) + ". Run them again on a quieter "
+            "machine, or at a larger time scale.",
+        ]
     lines += [
         "",
         "How to read it:",

@@ -178,6 +178,8 @@ async def _fleet(config: dict[str, Any], conn: Connection) -> None:
                     "preemptions": sum(s.num_preemptions for s in stats),
                     "prompt_tokens": sum(s.prompt_tokens for s in stats),
                     "requests_finished": server.requests_finished,
+                    # Wall seconds the engine loops fell behind their model and gave up on.
+                    "lag_dropped_s": sum(rank.loop.lag_dropped_s for rank in server.ranks),
                     **observed[server.address],
                 }
             )
@@ -471,6 +473,7 @@ def summarize(arm: dict[str, Any], scale: float) -> dict[str, Any]:
         "router_client_cpu_s": arm["router_client_cpu_s"],
         "engine_cpu_s": arm["engine_cpu_s"],
         "prefix_lookups": arm["prefix_lookups"],
+        "engine_lag_dropped_s": sum(e.get("lag_dropped_s", 0.0) for e in engines),
     }
 
 

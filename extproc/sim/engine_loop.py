@@ -7,6 +7,8 @@ the wall clock follows at ``time_scale`` wall seconds per model second (0.01 = 1
   sleep overshoot does not accumulate. Steps whose deadline is less than ~1 ms ahead are not slept
   for (tiny scaled steps are grouped instead of burning CPU on sub-millisecond sleeps); when the loop
   falls more than ``max_lag_s`` behind, it drops the debt and model time jumps to the wall clock.
+  :attr:`EngineLoop.lag_dropped_s` adds up the wall seconds so dropped: a benchmark whose engines
+  dropped any measured a slower engine than the one modelled (the machine could not keep up).
 * Outputs are delivered to per-request streams at the step's deadline, when a real engine would have
   produced them. A consumer that cancels or leaves aborts its request, which frees its blocks.
 * ``publish(events, wall_ts)`` is called once per step that produced KV events.
@@ -166,6 +168,8 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        #: Wall seconds the loop fell behind its model and gave up catching up on (see module doc).
+        self.lag_dropped_s = 0.0
 
     def model_time(self) -> float:
         """Model seconds now; while busy, never past the end of the step in progress.
@@ -264,6 +268,7 @@ class EngineLoop:
             return
         if delay < -self._max_lag:
             # Too slow to keep up: forget the debt rather than race to catch up forever.
+            self.lag_dropped_s += -delay
             self._deadline = self._clock()
         await asyncio.sleep(0)  # let submitters and consumers run between grouped steps
 

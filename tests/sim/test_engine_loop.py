@@ -97,6 +97,7 @@ async def test_wall_clock_follows_model_time(time_scale: float, grouped: bool) -
     assert all(d >= MIN_SLEEP_S for d in fake.sleeps)
     assert abs((fake.now - 100.0) - model_end * time_scale) < MIN_SLEEP_S
     assert (len(fake.sleeps) < len(steps)) is grouped
+    assert loop.lag_dropped_s == 0.0  # kept up: nothing given up
 
 
 async def test_cancelled_consumer_aborts_and_frees_blocks() -> None:
@@ -207,6 +208,7 @@ async def test_falling_behind_drops_the_debt() -> None:
     starts = [s.start for s in steps]
     assert all(b - a >= 1.0 for a, b in itertools.pairwise(starts)), starts
     assert outs[-1].e2e is not None and outs[-1].e2e >= 4.0
+    assert loop.lag_dropped_s >= 4 * 0.9  # each step's wall second, less the model's own step time
 
 
 async def test_observer_failures_do_not_stop_the_engine(caplog: pytest.LogCaptureFixture) -> None:
