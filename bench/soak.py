@@ -191,6 +191,22 @@ class Serving:
     log: Path | None = None
     #: Run serve under ``memray run --native`` writing this capture (memray installed by hand).
     memray: Path | None = None
+    #: Drop Envoy's accounting filter (the ext_proc filter in observability mode): one stream per
+    #: request instead of two, to tell the two streams' costs apart.
+    no_accounting: bool = False
+
+
+def drop_accounting_filter(node: Any) -> None:
+    """Remove every ext_proc filter in observability mode from a rendered Envoy config, in place."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "http_filters" and isinstance(value, list):
+                value[:] = [f for f in value if "observability_mode" not in json.dumps(f)]
+            else:
+                drop_accounting_filter(value)
+    elif isinstance(node, list):
+        for value in node:
+            drop_accounting_filter(value)
 
 
 async def soak(
@@ -222,6 +238,8 @@ async def soak(
             await serve.start()
             try:
                 config, listen, _ = gateway("gateway.yaml", serve, engines)
+                if serving.no_accounting:
+                    drop_accounting_filter(config)
                 async with EnvoyProcess(config) as _, aiohttp.ClientSession() as probe:
                     assert serve.proc is not None
                     pid = serve.proc.pid
@@ -273,6 +291,7 @@ async def soak(
         "streams_ended": streams_ended,
         "invalid": invalid,
         "serve_args": list(serving.extra_args),
+        "accounting_filter": not serving.no_accounting,
         "memtrace": serving.memtrace is not None,
         "samples": samples,
     }
@@ -347,6 +366,7 @@ def report(results: dict[str, Any]) -> str:
             else []
         ),
         f"| serve's extra flags | {' '.join(r.get('serve_args') or []) or 'none'} |",
+        f"| Envoy's accounting filter | {'on' if r.get('accounting_filter', True) else 'off'} |",
         "",
         "Warm-up: the first sixth of the run, or until serve's prompt-piece cache (bounded by "
         "`--tokenize-cache-mb`, 64 MiB by default) is full, whichever is later. RSS slope: least "
@@ -403,6 +423,11 @@ def main() -> None:
         "--serve-log", type=Path, default=None, help="write serve's warnings and errors to this file"
     )
     p.add_argument(
+        "--no-accounting",
+        action="store_true",
+        help="drop Envoy's accounting filter: one ext_proc stream per request (a diagnosis aid)",
+    )
+    p.add_argument(
         "--memray",
         type=Path,
         default=None,
@@ -420,7 +445,9 @@ def main() -> None:
         results["soak"]["warmup_rejudged"] = True
         judge(results["soak"], warmup)
     else:
-        serve_args = Serving(tuple(args.serve_arg), args.memtrace, args.serve_log, args.memray)
+        serve_args = Serving(
+            tuple(args.serve_arg), args.memtrace, args.serve_log, args.memray, args.no_accounting
+        )
         result = asyncio.run(soak(args.rate, args.duration, args.sample, warmup, args.seed, serve_args))
         results = {"machine": machine(), "soak": result}
     result = results["soak"]
