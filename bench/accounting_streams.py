@@ -80,30 +80,8 @@ def serve_sync() -> None:
         print(malloc_bytes()[0], flush=True)
 
 
-def accounting_only(config: dict[str, Any]) -> dict[str, Any]:
-    """Drop every ext_proc filter that is not in observability mode (the routing one), in place."""
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key == "http_filters" and isinstance(value, list):
-                    value[:] = [
-                        f
-                        for f in value
-                        if "ext_proc" not in json.dumps(f) or "observability_mode" in json.dumps(f)
-                    ]
-                else:
-                    walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(config)
-    return config
-
-
 async def measure(server_kind: str, requests: int) -> dict[str, Any]:
-    from stack import free_port
+    from stack import free_port, is_accounting_filter, keep_http_filters
 
     app = web.Application()
 
@@ -138,7 +116,9 @@ async def measure(server_kind: str, requests: int) -> dict[str, Any]:
             pool_endpoints=[("127.0.0.1", backend)],
             body_mode="FULL_DUPLEX_STREAMED",
         )
-        async with EnvoyProcess(accounting_only(config)) as _, aiohttp.ClientSession() as http:
+        # Only the accounting filter talks to the servicer: the routing one goes.
+        keep_http_filters(config, lambda f: "ext_proc" not in json.dumps(f) or is_accounting_filter(f))
+        async with EnvoyProcess(config) as _, aiohttp.ClientSession() as http:
             url = f"http://127.0.0.1:{listen}/v1/chat/completions"
             body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

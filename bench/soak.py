@@ -38,7 +38,15 @@ from typing import Any
 
 import aiohttp
 from machine import machine, machine_busy_seconds, provenance, record
-from stack import MODEL, ServeProcess, engines_started, gateway, write_catalog
+from stack import (
+    MODEL,
+    ServeProcess,
+    engines_started,
+    gateway,
+    is_accounting_filter,
+    keep_http_filters,
+    write_catalog,
+)
 
 from extproc.gateway.process import EnvoyProcess
 
@@ -196,19 +204,6 @@ class Serving:
     no_accounting: bool = False
 
 
-def drop_accounting_filter(node: Any) -> None:
-    """Remove every ext_proc filter in observability mode from a rendered Envoy config, in place."""
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key == "http_filters" and isinstance(value, list):
-                value[:] = [f for f in value if "observability_mode" not in json.dumps(f)]
-            else:
-                drop_accounting_filter(value)
-    elif isinstance(node, list):
-        for value in node:
-            drop_accounting_filter(value)
-
-
 async def soak(
     rate: float, duration: float, sample: float, warmup: float, seed: int, serving: Serving
 ) -> dict[str, Any]:
@@ -239,7 +234,7 @@ async def soak(
             try:
                 config, listen, _ = gateway("gateway.yaml", serve, engines)
                 if serving.no_accounting:
-                    drop_accounting_filter(config)
+                    keep_http_filters(config, lambda f: not is_accounting_filter(f))
                 async with EnvoyProcess(config) as _, aiohttp.ClientSession() as probe:
                     assert serve.proc is not None
                     pid = serve.proc.pid

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -159,3 +160,21 @@ def gateway(
         body_mode="FULL_DUPLEX_STREAMED",
     )
     return config, listen, admin
+
+
+def keep_http_filters(config: Any, keep: Callable[[dict[str, Any]], bool]) -> None:
+    """Keep only the HTTP filters ``keep`` accepts, in every filter chain of a rendered Envoy config."""
+    if isinstance(config, dict):
+        for key, value in config.items():
+            if key == "http_filters" and isinstance(value, list):
+                value[:] = [f for f in value if keep(f)]
+            else:
+                keep_http_filters(value, keep)
+    elif isinstance(config, list):
+        for value in config:
+            keep_http_filters(value, keep)
+
+
+def is_accounting_filter(http_filter: dict[str, Any]) -> bool:
+    """The ext_proc filter in observability mode (the shipped configs' in-flight accounting)."""
+    return "observability_mode" in json.dumps(http_filter)
