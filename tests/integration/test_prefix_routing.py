@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,14 +72,24 @@ class SimGateway:
             answer: dict[str, Any] = await resp.json()
             return answer
 
-    def why(self) -> dict[str, Any]:
+    def why(self) -> str:
         """For a failed assertion: the router's last decisions (its pick, prefix credit, predicted
-        TTFT) and what it knew of each engine's load."""
+        TTFT) and what it knew of each engine's load, as one string (pytest shortens a dict)."""
         engines = self.server.scraper.debug_state()["endpoints"]
-        return {
+        state = {
             "decisions": self.decisions[-3:],
-            "signals": {a: (e["signals"], e["ageSeconds"], e["suspect"]) for a, e in engines.items()},
+            "engines": {
+                a: {
+                    "signals": e["signals"],
+                    "age": e["ageSeconds"],
+                    "suspect": e["suspect"],
+                    "down": e["unreachable"],
+                }
+                for a, e in engines.items()
+            },
+            "inFlight": dict(self.server.inflight.snapshot()),
         }
+        return json.dumps(state, default=str)
 
     def others(self, address: str) -> list[str]:
         return [e.address for e in self.engines if e.address != address]
