@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import subprocess
 import sys
@@ -26,7 +25,16 @@ from typing import Any
 import aiohttp
 import grpc
 from aiohttp import web
-from machine import machine, malloc_bytes, provenance, record
+from machine import (
+    answer_malloc_readings,
+    answer_malloc_readings_async,
+    kept,
+    kept_row,
+    machine,
+    provenance,
+    read_malloc,
+    record,
+)
 
 from extproc.gateway.config import load_config, render_config, shipped_config
 from extproc.gateway.process import EnvoyProcess
@@ -56,10 +64,7 @@ async def serve_aio() -> None:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(port, flush=True)
-    loop = asyncio.get_running_loop()
-    while await loop.run_in_executor(None, sys.stdin.readline):
-        gc.collect()
-        print(malloc_bytes()[0], flush=True)
+    await answer_malloc_readings_async()
 
 
 def serve_sync() -> None:
@@ -75,9 +80,7 @@ def serve_sync() -> None:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     print(port, flush=True)
-    while sys.stdin.readline():
-        gc.collect()
-        print(malloc_bytes()[0], flush=True)
+    answer_malloc_readings()
 
 
 async def measure(server_kind: str, requests: int) -> dict[str, Any]:
@@ -97,16 +100,9 @@ async def measure(server_kind: str, requests: int) -> dict[str, Any]:
     child = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--serve", server_kind, stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
-    assert child.stdin is not None and child.stdout is not None
-    stdin, stdout = child.stdin, child.stdout
-
-    async def in_use() -> int:
-        stdin.write(b"?\n")
-        await stdin.drain()
-        return int(await stdout.readline())
-
+    assert child.stdout is not None
     try:
-        port = int(await stdout.readline())
+        port = int(await child.stdout.readline())
         listen = free_port()
         config = render_config(
             load_config(shipped_config("gateway.yaml")),
@@ -133,20 +129,15 @@ async def measure(server_kind: str, requests: int) -> dict[str, Any]:
 
             await send(WARMUP)
             await asyncio.sleep(1.0)
-            before = await in_use()
+            before = await read_malloc(child)
             await send(requests)
             await asyncio.sleep(1.5)  # Envoy's deferred closes end the last streams
-            after = await in_use()
+            after = await read_malloc(child)
     finally:
         child.kill()
         await child.wait()
         await runner.cleanup()
-    return {
-        "requests": requests,
-        "in_use_before_mb": round(before / 2**20, 2),
-        "in_use_after_mb": round(after / 2**20, 2),
-        "bytes_per_stream": round((after - before) / requests, 1),
-    }
+    return {"requests": requests, **kept(before, after, requests)}
 
 
 def report(results: dict[str, Any]) -> str:
@@ -159,11 +150,7 @@ def report(results: dict[str, Any]) -> str:
         "|---|--:|--:|--:|",
     ]
     for kind, label in (("aio", "grpc.aio (as serve)"), ("sync", "grpc thread-pool server")):
-        r = results[kind]
-        lines.append(
-            f"| {label} | {r['requests']:,} | {r['in_use_before_mb']} -> {r['in_use_after_mb']} MB "
-            f"| {r['bytes_per_stream']:.0f} B |"
-        )
+        lines.append(kept_row(label, results[kind]["requests"], results[kind]))
     lines += [
         "",
         "The servicer is bare (no serve code): it reads the messages and answers nothing. Earlier runs "

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from machine import machine, malloc_bytes, provenance, record
+from machine import answer_malloc_readings_async, kept, kept_row, machine, provenance, read_malloc, record
 
 HERE = Path(__file__).resolve().parent
 METHOD = "/bench.Streams/Echo"
@@ -47,10 +46,7 @@ async def serve() -> None:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(port, flush=True)
-    loop = asyncio.get_running_loop()
-    while await loop.run_in_executor(None, sys.stdin.readline):
-        gc.collect()
-        print(malloc_bytes()[0], flush=True)
+    await answer_malloc_readings_async()
     await server.stop(None)
 
 
@@ -58,16 +54,9 @@ async def measure(way: str, streams: int) -> dict[str, Any]:
     child = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--serve", stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
-    assert child.stdin is not None and child.stdout is not None
-    stdin, stdout = child.stdin, child.stdout
-
-    async def in_use() -> int:
-        stdin.write(b"?\n")
-        await stdin.drain()
-        return int(await stdout.readline())
-
+    assert child.stdout is not None
     try:
-        port = int(await stdout.readline())
+        port = int(await child.stdout.readline())
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             open_stream = channel.stream_stream(METHOD)
 
@@ -84,20 +73,15 @@ async def measure(way: str, streams: int) -> dict[str, Any]:
             for _ in range(500):  # warm: pools and caches of both sides filled
                 await one()
             await asyncio.sleep(0.5)
-            before = await in_use()
+            before = await read_malloc(child)
             for _ in range(streams // 100):
                 await asyncio.gather(*(one() for _ in range(100)))
             await asyncio.sleep(1.0)
-            after = await in_use()
+            after = await read_malloc(child)
     finally:
         child.kill()
         await child.wait()
-    return {
-        "streams": streams,
-        "in_use_before_mb": round(before / 2**20, 2),
-        "in_use_after_mb": round(after / 2**20, 2),
-        "bytes_per_stream": round((after - before) / streams, 1),
-    }
+    return {"streams": streams, **kept(before, after, streams)}
 
 
 def report(results: dict[str, Any]) -> str:
@@ -110,11 +94,7 @@ def report(results: dict[str, Any]) -> str:
         "|---|--:|--:|--:|",
     ]
     for way, label in (("reset", "client reset (cancel)"), ("closed", "half-close, handler returns")):
-        r = results[way]
-        lines.append(
-            f"| {label} | {r['streams']:,} | {r['in_use_before_mb']} -> {r['in_use_after_mb']} MB | "
-            f"{r['bytes_per_stream']:.0f} B |"
-        )
+        lines.append(kept_row(label, results[way]["streams"], results[way]))
     lines += [
         "",
         "A reset stream leaves its pending receive's operation array behind (grpc/grpc#43360, open). "

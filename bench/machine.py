@@ -6,12 +6,15 @@ starts with this description (CPU, cores, Python, load, commit).
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import datetime
+import gc
 import json
 import os
 import platform
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -88,3 +91,47 @@ def malloc_bytes() -> tuple[int, int]:
     libc.mallinfo2.restype = _MallInfo2
     info = libc.mallinfo2()
     return int(info.uordblks + info.hblkhd), int(info.fordblks)
+
+
+# -- a child process that reports its malloc bytes in use, for per-stream memory benchmarks --------
+
+
+def answer_malloc_readings() -> None:
+    """The child's side, blocking: for each line on stdin, collect Python garbage, then print the
+    malloc bytes in use (so what remains is native)."""
+    while sys.stdin.readline():
+        gc.collect()
+        print(malloc_bytes()[0], flush=True)
+
+
+async def answer_malloc_readings_async() -> None:
+    """:func:`answer_malloc_readings` for a child whose event loop must keep serving meanwhile."""
+    loop = asyncio.get_running_loop()
+    while await loop.run_in_executor(None, sys.stdin.readline):
+        gc.collect()
+        print(malloc_bytes()[0], flush=True)
+
+
+async def read_malloc(child: asyncio.subprocess.Process) -> int:
+    """The parent's side: one reading of the child's malloc bytes in use."""
+    assert child.stdin is not None and child.stdout is not None
+    child.stdin.write(b"?\n")
+    await child.stdin.drain()
+    return int(await child.stdout.readline())
+
+
+def kept(before: int, after: int, count: int) -> dict[str, float]:
+    """Two readings around ``count`` streams: the MiB before and after, and bytes kept per stream."""
+    return {
+        "in_use_before_mb": round(before / 2**20, 2),
+        "in_use_after_mb": round(after / 2**20, 2),
+        "bytes_per_stream": round((after - before) / count, 1),
+    }
+
+
+def kept_row(label: str, count: int, result: dict[str, Any]) -> str:
+    """A report row for :func:`kept`'s numbers."""
+    return (
+        f"| {label} | {count:,} | {result['in_use_before_mb']} -> {result['in_use_after_mb']} MB "
+        f"| {result['bytes_per_stream']:.0f} B |"
+    )
