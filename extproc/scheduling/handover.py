@@ -12,7 +12,10 @@ process has seen any accounting stream (the gateway runs one), an unclaimed leas
 kept for a grace period after its routing stream ends instead of being released at once; gateways
 without an accounting filter release at once as before.
 An accounting stream that finds no offer (it reached another replica, or came after the grace)
-takes a lease of its own on the request's destination.
+takes a lease of its own on the request's destination. When the token is this process's own, its
+routing stream has ended, so the response has begun and the prefill is over: that lease counts the
+request as decoding, never charging its prefill a second time (which would make the endpoint that
+holds the prompt look busiest exactly when its follow-ups arrive).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class LeaseHandover:
         self.accounting_seen = False
         #: Leases no accounting stream claimed within the grace (it reached another replica).
         self.expired = 0
+        #: Accounting streams that came with one of our tokens after its routing stream had ended.
+        self.late = 0
 
     def __len__(self) -> int:
         return len(self._open) + len(self._waiting)
@@ -64,6 +69,7 @@ class LeaseHandover:
             "offered": len(self._open),
             "waiting": len(self._waiting),
             "expiredUnclaimed": self.expired,
+            "lateClaims": self.late,
         }
 
     def offer(self, lease: Lease) -> str:
@@ -97,7 +103,13 @@ class LeaseHandover:
         lease = self._open.pop(token, None)
         if lease is None and token in self._waiting:
             lease = self._waiting.pop(token)[0]
+        if lease is None and self.issued_here(token):
+            self.late += 1
         return lease
+
+    def issued_here(self, token: str) -> bool:
+        """``token`` is one this process offered (whether or not it is still offered)."""
+        return token.startswith(self._prefix + "-")
 
     def _expire(self) -> None:
         """Release unclaimed leases past their grace."""

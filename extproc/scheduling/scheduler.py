@@ -205,10 +205,14 @@ class Scheduler:
     ) -> Lease | None:
         """The in-flight lease an accounting stream holds for the request our answer placed: the
         routing stream's own when it was offered here under ``token`` (one count, not two), else a
-        new one on the first address of ``destination``; None when the catalog has no such endpoint."""
+        new one on the first address of ``destination`` (charged the predicted prefill only when
+        another replica routed it); None when the catalog has no such endpoint."""
         offered = self.handover.claim(token)
         if offered is not None:
             return offered
+        if self.handover.issued_here(token):
+            # Our routing stream for it has ended, at the response headers: the prefill is done.
+            prefill_tokens, prefill_seconds = 0, 0.0
         catalog = self._catalog()
         if catalog is not self._addresses_of[0]:
             self._addresses_of = (catalog, frozenset(e.address for e in _all_endpoints(catalog)))

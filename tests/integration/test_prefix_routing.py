@@ -77,7 +77,7 @@ class SimGateway:
         TTFT) and what it knew of each engine's load, as one string (pytest shortens a dict)."""
         engines = self.server.scraper.debug_state()["endpoints"]
         state = {
-            "decisions": self.decisions[-3:],
+            "decisions": self.decisions[-8:],
             "engines": {
                 a: {
                     "signals": e["signals"],

@@ -8,6 +8,7 @@ computed here independently of the scorer.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -506,9 +507,12 @@ async def test_tokens_computed_in_a_worker_process_match_as_inline_ones(
 
 async def test_a_prompt_not_tokenized_within_its_budget_is_matched_approximately() -> None:
     """Past --tokenize-budget-ms the request does not wait: it is routed by our own history."""
-    pool = TokenizePool(threads=1, budget=1e-6)
+    pool = TokenizePool(threads=1, budget=0.01)
     router = Router(pool=pool)
+    busy = threading.Event()
     try:
+        # The only thread is busy (a long prompt before this one), so this one cannot make it.
+        pool.workers.submit(busy.wait, b"")
         route = router.route(LLAMA)
         request = read_request(COMPLETIONS, {"model": LLAMA, "prompt": LONG * 20})
         tokenized = await router.scorer.prompt_tokens(route, request)
@@ -517,6 +521,7 @@ async def test_a_prompt_not_tokenized_within_its_budget_is_matched_approximately
         match = router.scorer.match(router.catalog, route, request, route.endpoints, tokenized)
         assert match.mode == "approximate" and match.prompt_tokens == len(LONG * 20) // CHARS_PER_TOKEN
     finally:
+        busy.set()
         pool.close()
 
 

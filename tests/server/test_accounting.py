@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from extproc.scheduling.predictor import PredictedTTFT
+from extproc.scheduling.profiles import DEFAULT
 from extproc.server.accounting import AccountingStream, prefill_hint
 from extproc.types import EndpointAddress
 from server.test_stream import Harness, body, chat, headers, set_headers
@@ -74,6 +76,31 @@ def test_the_routing_lease_moves_to_the_accounting_stream_and_is_counted_once() 
     routing.close()  # the routing stream ends with the response headers
     assert h.inflight.snapshot() == {pick: 1}
     accounting.close()  # the response has ended
+    assert h.inflight.snapshot() == {}
+
+
+def test_an_accounting_stream_later_than_its_routing_stream_counts_the_request_as_decoding() -> None:
+    """The routing stream ended (at the response headers) before its accounting stream came: the
+    request still counts until the response ends, but its prefill is over and is not charged again,
+    so the endpoint holding its prompt does not look busy to the conversation's next turn."""
+    h = Harness()
+    h.scheduler.policy = PredictedTTFT(lambda _e: DEFAULT)
+    routing = h.stream()
+    routing.handle(headers())
+    [answer] = routing.handle(body(chat()))
+    sent = set_headers(answer.request_body.response)
+    pick = EndpointAddress(sent["x-gateway-destination-endpoint"].split(",")[0])
+    assert int(sent["x-extproc-prefill"].split(",")[0]) > 0
+    routing.close()  # no accounting stream seen yet in this process: released at once
+    assert h.inflight.snapshot() == {}
+    accounting = AccountingStream(h.scheduler)
+    request = headers(extra={k: v for k, v in sent.items() if k.startswith("x-")})
+    request.observability_mode = True
+    assert accounting.handle(request) == []
+    assert h.inflight.snapshot() == {pick: 1}
+    assert h.inflight.pending_prefill(pick) == (0, 0)
+    assert h.scheduler.handover.debug_state()["lateClaims"] == 1
+    accounting.close()
     assert h.inflight.snapshot() == {}
 
 
