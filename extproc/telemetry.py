@@ -79,7 +79,8 @@ class Metrics:
         self.streams_ended = Counter(
             "extproc_streams_ended",
             "ext_proc streams by kind (routing, accounting, none: no message came) and how they ended: "
-            "closed (Envoy half-closed, or we ended it), cancelled (Envoy reset it).",
+            "closed (Envoy half-closed, or we ended it; an accounting stream's reset right after its "
+            "half-close counts here), cancelled (Envoy reset it).",
             ["kind", "how"],
             registry=self.registry,
         )

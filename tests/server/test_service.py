@@ -9,10 +9,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from waiting import eventually
 
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.serve.app import Server
+from extproc.server import service
 from extproc.settings import ServeSettings, SourceSettings
+from extproc.types import EndpointAddress
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "catalog.yaml"
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
@@ -82,3 +85,36 @@ async def test_a_burst_of_new_streams_is_served_in_full(server: Server) -> None:
     failures = [a for a in answers if isinstance(a, BaseException)]
     assert not failures, f"{len(failures)} of 3000 failed, e.g. {failures[0]!r}"
     assert all(ep.ProcessingResponse.FromString(a[0]).immediate_response.status.code == 200 for a in answers)
+
+
+def _accounting_request(destination: str) -> bytes:
+    """The request headers an accounting filter (observability mode) sends for a routed request."""
+    request = ep.ProcessingRequest(observability_mode=True)
+    for key, value in ((":path", "/v1/chat/completions"), ("x-gateway-destination-endpoint", destination)):
+        header = request.request_headers.headers.headers.add()
+        header.key, header.raw_value = key, value.encode()
+    return request.SerializeToString()
+
+
+async def test_an_accounting_stream_counts_until_the_half_close_and_takes_envoys_reset_quietly(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request counts in flight until its accounting stream is half-closed (the response ended),
+    not until the stream's end; the reset Envoy sends right after (while serve still holds the
+    stream open, which spares grpc.aio a per-stream leak) is no cancellation."""
+    monkeypatch.setattr(service, "ACCOUNTING_LINGER_S", 30.0)  # as long as this test may take
+    endpoint = "127.0.0.1:8000"
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        call = channel.stream_stream(
+            PROCESS, request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )()
+        await call.write(_accounting_request(endpoint))
+        await eventually(lambda: server.inflight.count(EndpointAddress(endpoint)) == 1, what="counted")
+        await call.done_writing()
+        await eventually(lambda: server.inflight.total == 0, what="released at the half-close")
+        assert call.cancel()  # it was still open, waiting for the reset
+    ended = server.metrics.streams_ended
+    await eventually(
+        lambda: ended.labels("accounting", "closed")._value.get() == 1, what="the stream counted as closed"
+    )
+    assert ended.labels("accounting", "cancelled")._value.get() == 0
