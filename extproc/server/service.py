@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 import grpc
@@ -25,13 +25,16 @@ from extproc.server.stream import Pending, RequestStream, Router
 from extproc.telemetry import LogLimiter, Metrics
 
 log = logging.getLogger(__name__)
-#: Seconds an accounting stream stays open after its client half-closed it. Envoy ends an
-#: observability-mode stream by half-closing it and resetting it at once; a grpc.aio handler that
-#: has already returned when the reset lands leaves ~170 B of native memory behind, one still waiting
-#: (nothing pending) leaves none (``bench/results/accounting_streams.md``: at 100 requests/s, ~60 MB
-#: an hour). The request's count ends at the half-close, not after this wait, and Envoy never waits
-#: for it: in observability mode nothing we send is read.
-ACCOUNTING_LINGER_S = 0.25
+#: Seconds a stream whose exchange is over stays open for Envoy to close it. Envoy ends an ext_proc
+#: stream by half-closing it and resetting it at once. A grpc.aio handler that has returned when the
+#: reset lands (its status racing the reset), or that still waits for a message (grpc/grpc#43360),
+#: leaves ~100-180 B of native memory behind per stream, for good; one that is neither reading nor
+#: done takes the reset and leaves none (``bench/results/stream_ends.md``: at 100 requests/s, ~60
+#: MB an hour for accounting streams and ~35 MB for routing ones). So once nothing more can come, a
+#: stream stops reading and waits this long, then ends itself if Envoy has not. Counts end before
+#: the wait, and Envoy never waits for it. Below Envoy's default ``message_timeout`` (200 ms), in
+#: case a gateway sends a message after all (response trailers: they then pass unprocessed).
+CLOSE_WAIT_S = 0.1
 #: Undecodable messages are logged once a minute, whoever sends them.
 _MALFORMED: LogLimiter[str] = LogLimiter(time.monotonic)
 
@@ -83,10 +86,15 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                     return
                 for response in responses:
                     yield response
+                if _exchange_over(stream, responses):
+                    stream.close()
+                    lingering = True
+                    await asyncio.sleep(CLOSE_WAIT_S)  # for Envoy's close, reading nothing
+                    return
             if isinstance(stream, AccountingStream):
                 stream.close()  # the response has ended: the request no longer counts
                 lingering = True
-                await asyncio.sleep(ACCOUNTING_LINGER_S)  # for Envoy's reset (see the constant)
+                await asyncio.sleep(CLOSE_WAIT_S)  # for Envoy's reset (see the constant)
         except DecodeError:
             # Not a ProcessingRequest at all (raised by the iterator): Envoy never sends one, so
             # whoever did gets a gRPC error naming the problem, counted, logged once a minute.
@@ -117,6 +125,16 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
             budget=self._budget,
             decision_headers=self._decision_headers,
         )
+
+
+def _exchange_over(
+    stream: RequestStream | AccountingStream, responses: Sequence[ep.ProcessingResponse]
+) -> bool:
+    """Envoy sends nothing more on a routing stream after these answers: its last expected message
+    is answered, or it was answered for Envoy (an immediate response ends the request)."""
+    if isinstance(stream, AccountingStream):
+        return False
+    return stream.exchange_over or any(r.HasField("immediate_response") for r in responses)
 
 
 def _kind(stream: RequestStream | AccountingStream | None) -> str:

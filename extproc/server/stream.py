@@ -51,6 +51,7 @@ MODEL_HEADER = "x-gateway-model-name"
 #: vLLM routes a request carrying this header to that data-parallel rank (0.10+).
 DP_RANK_HEADER = "x-data-parallel-rank"
 _FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
+_NO_BODY = pm.ProcessingMode.NONE
 #: Messages Envoy never sends are logged once a minute per kind, whoever sends them.
 _UNEXPECTED: LogLimiter[str] = LogLimiter(time.monotonic)
 Responses = list[ep.ProcessingResponse]
@@ -140,6 +141,11 @@ class RequestStream:
         self._subset: frozenset[str] | None = None
         self._body = bytearray()
         self._done = False
+        #: Envoy said (in its first message) that it sends no response body: the response headers
+        #: are then the last message, unless the gateway sends response trailers (ours skip them).
+        self._headers_last = False
+        #: The last message Envoy sends on this stream has been answered.
+        self.exchange_over = False
         self.lease: Lease | None = None
         #: The addresses our answer named (the pick and its fallbacks): the only ones a report on
         #: this stream may mark, so whatever reaches the gRPC port cannot take others out of
@@ -194,6 +200,9 @@ class RequestStream:
             raise BadRequest("ext_proc protocol error: request_headers sent twice on one stream")
         self._headers_seen = True
         self._full_duplex = request.protocol_config.request_body_mode == _FULL_DUPLEX
+        self._headers_last = (
+            request.HasField("protocol_config") and request.protocol_config.response_body_mode == _NO_BODY
+        )
         self._headers = messages.header_map(request.request_headers)
         self._path = normalize_path(self._headers.get(":path", ""))
         self._subset = messages.subset_hint(request)
@@ -354,6 +363,8 @@ class RequestStream:
             self._router.retried_away(self.lease.address)
 
     def _on_response(self, kind: str | None) -> Responses:
+        if kind == "response_headers":
+            self.exchange_over = self._headers_last
         if kind == "response_headers" and self.lease is not None:
             # The engine answered: its prefill is done (the count now stands for decoding).
             self.lease.first_token()

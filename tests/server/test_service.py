@@ -6,16 +6,20 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from waiting import eventually
 
+from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.serve.app import Server
 from extproc.server import service
 from extproc.settings import ServeSettings, SourceSettings
 from extproc.types import EndpointAddress
+from server.test_stream import body, chat, headers
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "catalog.yaml"
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
@@ -102,7 +106,7 @@ async def test_an_accounting_stream_counts_until_the_half_close_and_takes_envoys
     """The request counts in flight until its accounting stream is half-closed (the response ended),
     not until the stream's end; the reset Envoy sends right after (while serve still holds the
     stream open, which spares grpc.aio a per-stream leak) is no cancellation."""
-    monkeypatch.setattr(service, "ACCOUNTING_LINGER_S", 30.0)  # as long as this test may take
+    monkeypatch.setattr(service, "CLOSE_WAIT_S", 30.0)  # as long as this test may take
     endpoint = "127.0.0.1:8000"
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         call = channel.stream_stream(
@@ -118,3 +122,47 @@ async def test_an_accounting_stream_counts_until_the_half_close_and_takes_envoys
         lambda: ended.labels("accounting", "closed")._value.get() == 1, what="the stream counted as closed"
     )
     assert ended.labels("accounting", "cancelled")._value.get() == 0
+
+
+async def _routing_exchange(call: Any, response_body_mode: int) -> list[ep.ProcessingResponse]:
+    """Envoy's messages for one BUFFERED chat up to the response headers, with each answer."""
+    first = headers()
+    first.protocol_config.response_body_mode = response_body_mode  # type: ignore[assignment]
+    response_headers = ep.ProcessingRequest()
+    status = response_headers.response_headers.headers.headers.add()
+    status.key, status.raw_value = ":status", b"200"
+    answers = []
+    for message in (first, body(chat("chat")), response_headers):
+        await call.write(message)
+        answers.append(await call.read())
+    return answers
+
+
+async def test_a_routing_stream_ends_itself_once_its_last_message_is_answered(server: Server) -> None:
+    """Envoy sends nothing after the response headers when it sends no response body: serve ends
+    the stream itself (shortly, if Envoy has not closed it first), and the request's count goes."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        call = ep_grpc.ExternalProcessorStub(channel).Process()
+        answers = await _routing_exchange(call, pm.ProcessingMode.NONE)
+        assert [a.WhichOneof("response") for a in answers] == [
+            "request_headers",
+            "request_body",
+            "response_headers",
+        ]
+        # No half-close from us: the server ends it.
+        assert await asyncio.wait_for(call.code(), timeout=10) == grpc.StatusCode.OK
+    await eventually(lambda: server.inflight.total == 0, what="the routing stream's count released")
+
+
+async def test_a_routing_stream_keeps_reading_when_the_gateway_sends_response_bodies(server: Server) -> None:
+    """A gateway configured to send response bodies gets them answered after the response headers."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        call = ep_grpc.ExternalProcessorStub(channel).Process()
+        await _routing_exchange(call, pm.ProcessingMode.STREAMED)
+        chunk = ep.ProcessingRequest()
+        chunk.response_body.body, chunk.response_body.end_of_stream = b"data: {}\n\n", True
+        await call.write(chunk)
+        answer = await asyncio.wait_for(call.read(), timeout=10)
+        assert answer.WhichOneof("response") == "response_body"
+        await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK
