@@ -32,21 +32,23 @@ class LogLimiter(Generic[K]):
     def __init__(self, clock: Callable[[], float], interval: float = 60.0) -> None:
         self._clock = clock
         self._interval = interval
-        self._last: dict[tuple[K, str], float] = {}
+        #: subject -> kind -> when it was last logged. By subject, so forgetting one is O(1): a
+        #: catalog edit can drop thousands of endpoints at once, on the event loop.
+        self._last: dict[K, dict[str, float]] = {}
 
     def allow(self, subject: K, kind: str) -> bool:
         """True (and remembered) when this subject's problem of this kind may be logged now."""
         now = self._clock()
-        last = self._last.get((subject, kind))
+        kinds = self._last.setdefault(subject, {})
+        last = kinds.get(kind)
         if last is not None and now - last < self._interval:
             return False
-        self._last[(subject, kind)] = now
+        kinds[kind] = now
         return True
 
     def forget(self, subject: K) -> None:
         """The subject is gone: drop its entries (memory stays bounded by what is followed)."""
-        for key in [k for k in self._last if k[0] == subject]:
-            del self._last[key]
+        self._last.pop(subject, None)
 
 
 class Metrics:

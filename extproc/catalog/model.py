@@ -127,7 +127,7 @@ class ObjectProblem:
     kept_previous: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class Catalog:
     """One consistent view of worker sets, endpoints and model names."""
 

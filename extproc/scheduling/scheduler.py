@@ -18,6 +18,7 @@ awaits in the middle of a decision, so a decision always sees one consistent cat
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -88,8 +89,9 @@ class Scheduler:
         self._reachable = reachable or (lambda _address: True)
         self._on_unreachable = on_unreachable or (lambda _address: None)
         self._on_retried_away = on_retried_away or (lambda _address: None)
-        #: The catalog last looked at by :meth:`lease_for`, and its endpoint addresses.
-        self._addresses_of: tuple[Catalog | None, frozenset[str]] = (None, frozenset())
+        #: The catalog last looked at by :meth:`lease_for` (weakly: a replaced catalog is freed
+        #: off the event loop, see ``take_apart``), and its endpoint addresses.
+        self._addresses_of: tuple[weakref.ref[Catalog] | None, frozenset[str]] = (None, frozenset())
         #: Routed requests' leases on their way to their accounting streams.
         self.handover = LeaseHandover()
 
@@ -214,8 +216,9 @@ class Scheduler:
             # Our routing stream for it has ended, at the response headers: the prefill is done.
             prefill_tokens, prefill_seconds = 0, 0.0
         catalog = self._catalog()
-        if catalog is not self._addresses_of[0]:
-            self._addresses_of = (catalog, frozenset(e.address for e in _all_endpoints(catalog)))
+        seen = self._addresses_of[0]
+        if seen is None or seen() is not catalog:
+            self._addresses_of = (weakref.ref(catalog), frozenset(e.address for e in _all_endpoints(catalog)))
         address = EndpointAddress(destination.split(",", 1)[0].strip())
         if address not in self._addresses_of[1]:
             return None

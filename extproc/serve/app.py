@@ -17,7 +17,7 @@ from extproc import __version__
 from extproc.admin import AdminRunner, admin_app, start_admin
 from extproc.catalog.discovered import apply_discovery
 from extproc.catalog.model import Catalog
-from extproc.catalog.store import CatalogStore
+from extproc.catalog.store import CatalogStore, take_apart
 from extproc.engines.discovery import ModelDiscovery
 from extproc.engines.scraper import EngineScraper
 from extproc.scheduling.inflight import InFlight
@@ -95,6 +95,8 @@ class Server:
         self._started = time.time()
         #: Set by :meth:`drain`: health answers NOT_SERVING while streams are still served.
         self.draining = False
+        #: Threads freeing replaced catalogs (held so their tasks are not collected mid-way).
+        self._releasing: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         """Load the catalog (failing loudly if a file cannot be read), then open both ports.
@@ -146,7 +148,15 @@ class Server:
 
     def _republish(self) -> None:
         """Publish the declared catalog with the models endpoints report (Endpoint discovery mode)."""
+        retired = [self.store.current]
         self.store.publish(apply_discovery(self._declared, self.discovery.results()))
+        self._release(retired)
+
+    def _release(self, retired: list[Catalog]) -> None:
+        """Free replaced catalogs in a worker thread: a large one takes tens of ms to free."""
+        task = asyncio.create_task(asyncio.to_thread(take_apart, retired), name="catalog-release")
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def _poll_profiles(self) -> None:
         """Hot reload: an edit of the profiles file takes effect within a second."""
@@ -160,8 +170,10 @@ class Server:
             self.metrics.source_reloads.labels(outcome).inc()
 
     def _publish(self, catalog: Catalog) -> None:
+        retired = [self._declared]
         self._declared = catalog
         self._republish()
+        self._release(retired)
         self.discovery.refresh()
         log.info(
             "catalog reloaded worker_sets=%d models=%d problems=%d conflicts=%d",

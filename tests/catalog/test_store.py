@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import weakref
 
 import pytest
 
+from catalog.test_build import build, eps, iws, svc
 from extproc.catalog.model import Catalog, ObjectProblem
-from extproc.catalog.store import CatalogStore
+from extproc.catalog.store import CatalogStore, take_apart
 
 
 def _catalog(tag: str) -> Catalog:
@@ -69,3 +72,37 @@ def test_unsubscribe_stops_notifications() -> None:
     unsubscribe()
     store.publish(_catalog("b"))
     assert seen == [_catalog("a")]
+
+
+def _two_sets() -> Catalog:
+    return build(
+        iws("a", models=[{"name": "m-a"}]),
+        svc("a"),
+        eps("a-1", "a", ["127.0.0.1"]),
+        iws("b", models=[{"name": "m-b"}]),
+        svc("b"),
+        eps("b-1", "b", ["127.0.0.2"]),
+    )
+
+
+def test_taking_apart_never_touches_a_catalog_still_in_use() -> None:
+    """A replaced catalog a reader still holds (or whose tables a newer catalog shares) stays whole."""
+    held = _two_sets()
+    take_apart([held])
+    assert set(held.worker_sets) == {"default/a", "default/b"} and set(held.routes) == {"m-a", "m-b"}
+    shared = _two_sets()
+    newer = dataclasses.replace(shared, problems=(ObjectProblem("Service", "default", "x", "test"),))
+    del shared
+    retired = [Catalog(worker_sets=newer.worker_sets, routes=newer.routes)]
+    take_apart(retired)
+    assert retired == []
+    assert set(newer.worker_sets) == {"default/a", "default/b"} and set(newer.routes) == {"m-a", "m-b"}
+
+
+def test_a_catalog_nothing_else_holds_is_freed() -> None:
+    catalog = _two_sets()
+    gone = weakref.ref(catalog)
+    retired = [catalog]
+    del catalog
+    take_apart(retired)
+    assert gone() is None
