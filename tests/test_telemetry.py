@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
+from scheduling.test_inflight import Clock
+
 from extproc.telemetry import LogLimiter
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_each_subject_and_kind_is_logged_once_per_interval() -> None:
@@ -20,7 +14,7 @@ def test_each_subject_and_kind_is_logged_once_per_interval() -> None:
     assert not limiter.allow("10.0.0.1:8000", "timeout")
     assert limiter.allow("10.0.0.1:8000", "refused")  # another kind of problem
     assert limiter.allow("10.0.0.2:8000", "timeout")  # another subject
-    clock.now = 61.0
+    clock.now += 61.0
     assert limiter.allow("10.0.0.1:8000", "timeout")
 
 
