@@ -64,8 +64,14 @@ def markdown(result: dict[str, Any]) -> str:
     """The results page: setup, upper bound, one row per policy, caveats."""
     m, t, c, ub = result["machine"], result["trace"], result["config"], result["upper_bound"]
     ep = c["engine_params"]
+    offline = c.get("mode", "").startswith("offline")
+    pacing = (
+        "played offline in virtual time (one process, deterministic for its seed)"
+        if offline
+        else f"time scale {c['time_scale']} (wall s per simulated s)"
+    )
     lines = [
-        "# Routing quality: Mooncake conversation trace replay",
+        "# Routing quality: Mooncake conversation trace replay" + (" (offline)" if offline else ""),
         "",
         f"Machine: {m['cpu_model']}, {m['cores']} cores, Python {m['python']}, "
         f"commit {m['git_commit'][:10]}{' (dirty)' if m['git_dirty'] else ''}, "
@@ -76,8 +82,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"mean input {t['mean_input_tokens']:.0f} / output {t['mean_output_tokens']:.0f} tokens, "
         f"max input {t['max_input_tokens']}).",
         "",
-        f"Setup: {c['engines']} simulated engines (fresh, empty caches for every policy), time scale "
-        f"{c['time_scale']} (wall s per simulated s), max_tokens = min(output_length, {c['output_cap']}). "
+        f"Setup: {c['engines']} simulated engines (fresh, empty caches for every policy), {pacing}, "
+        f"max_tokens = min(output_length, {c['output_cap']}). "
         f"Engine params: {ep['num_gpu_blocks']} KV blocks x {ep['block_size']} tokens "
         f"(= {ep['num_gpu_blocks'] * ep['block_size']:,} tokens) per engine, max_model_len "
         f"{ep['max_model_len']}, max_num_seqs {ep['max_num_seqs']}, max_num_batched_tokens "
@@ -153,10 +159,18 @@ def markdown(result: dict[str, Any]) -> str:
         "nearest-rank.",
         "- *req/engine max/mean*, *CV* = requests routed to each engine: max over mean, and standard "
         "deviation over mean (0 = perfectly even).",
-        "- Decisions run through the real `Scheduler` + `PrefixRouting` (tokenizer `extproc:tiny`, real "
-        "ZMQ KV-event subscriptions); requests go straight to the chosen engine over HTTP, no Envoy "
-        "(on 2 cores Envoy's CPU would distort the engines' pacing). Leases are held until each "
-        "response ends, so in-flight counts are exact.",
+        (
+            "- Offline: decisions run through the real `Scheduler` + `PrefixRouting` (tokenizer "
+            "`extproc:tiny`, the engines' KV events encoded as vLLM sends them and applied by the "
+            "router's ingest the moment their step ends); the engine cores step in virtual time as "
+            "the simulator's loop steps them, so client times equal engine times plus nothing, and "
+            "*wall s* is the trace's simulated length. Leases are held until each request's last token."
+            if offline
+            else "- Decisions run through the real `Scheduler` + `PrefixRouting` (tokenizer `extproc:tiny`, "
+            "real ZMQ KV-event subscriptions); requests go straight to the chosen engine over HTTP, no "
+            "Envoy (on 2 cores Envoy's CPU would distort the engines' pacing). Leases are held until "
+            "each response ends, so in-flight counts are exact."
+        ),
         "- Policies: round-robin; least-in-flight (ours, no cache input); *gie-like* = 3 x prefix-match "
         "ratio (approximate: our routing history of prompt chunks, no KV events) + 2 x (1 - min-max "
         "normalised in-flight) + 1 x (1 - kv usage; 0 without engine signals), max score; *dynamo-like* = "

@@ -421,6 +421,25 @@ async def _one(
             arm.active.finish(request.index)
 
 
+def offline_arm(arm: Arm, requests: list[TraceRequest], cfg: Config, vocab: int) -> dict[str, Any]:
+    """The arm played in virtual time (:mod:`bench.replay.offline`), same shape as :func:`run_arm`'s."""
+    from bench.replay.offline import OfflineReplay
+
+    return OfflineReplay(
+        arm,
+        requests,
+        engines=cfg.engines,
+        engine=cfg.engine,
+        output_cap=cfg.output_cap,
+        vocab=vocab,
+        seed=cfg.seed,
+        catalog=_catalog,
+        sent=Sent,
+        model=MODEL,
+        path=PATH,
+    ).run()
+
+
 # -- summary ----------------------------------------------------------------------------------------
 
 
@@ -510,10 +529,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="vllm",
         help="the simulated engines' surface: metric names and KV-event encoding (vllm)",
     )
+    p.add_argument(
+        "--offline",
+        action="store_true",
+        help="play the trace in virtual time, in this process (deterministic; bench/replay/offline.py)",
+    )
     p.add_argument("--only", nargs="*", help="run only the policies whose names start with these")
     p.add_argument("--trace", type=Path, default=TRACE)
-    p.add_argument("--out", type=Path, default=REPO / "bench/results/replay.json")
+    p.add_argument("--out", type=Path, default=None, help="(bench/results/replay[_offline].json)")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = REPO / f"bench/results/replay{'_offline' if args.offline else ''}.json"
+    if args.offline and args.scrape_interval > 0:
+        p.error("--offline does not model engine signals: leave --scrape-interval at 0")
     if not args.trace.is_file():
         p.error(f"no trace at {args.trace}: pass --trace PATH (a Mooncake-format .jsonl)")
     return args
@@ -554,8 +582,13 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             "engine_params": asdict(EngineParams(**engine)),
             "engine_kind": cfg.engine_kind,
             "vocab_size": vocab,
-            "transport": "bench -> engine HTTP directly (no Envoy), streaming /v1/completions, "
-            "token-id prompts",
+            "mode": "offline: virtual time, one process (bench/replay/offline.py)"
+            if args.offline
+            else f"online: wall clock, engines in a child process at time scale {cfg.time_scale:g}",
+            "transport": "in-process calls: scheduler, then the engine core; KV events through the router's "
+            "ingest"
+            if args.offline
+            else "bench -> engine HTTP directly (no Envoy), streaming /v1/completions, token-id prompts",
             "engine_signals": (
                 f"each engine's /metrics scraped every {cfg.scrape_interval:g} simulated s "
                 "(running, waiting, KV usage)"
@@ -577,9 +610,14 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         arm = factory()
         if args.only and not any(arm.name.startswith(o) for o in args.only):
             continue
-        log.warning("arm %s: %d requests, time scale %g", arm.name, len(requests), cfg.time_scale)
-        raw = await run_arm(arm, requests, cfg, vocab)
-        summary_ = summarize(raw, cfg.time_scale)
+        if args.offline:
+            log.warning("arm %s: %d requests, offline (virtual time)", arm.name, len(requests))
+            raw = offline_arm(arm, requests, cfg, vocab)
+            summary_ = summarize(raw, 1.0)
+        else:
+            log.warning("arm %s: %d requests, time scale %g", arm.name, len(requests), cfg.time_scale)
+            raw = await run_arm(arm, requests, cfg, vocab)
+            summary_ = summarize(raw, cfg.time_scale)
         log.warning(
             "arm %s: hit %.3f ttft p50 %.3f p99 %.3f s, wall %.0f s",
             arm.name,

@@ -1,0 +1,282 @@
+"""The replay in virtual time: the router's decision path and the engine cores in one process.
+
+The online replay (:mod:`bench.replay.run`) plays the trace against engine processes on the wall
+clock, so a busy machine changes its figures. Here a discrete-event loop plays it in *model* time:
+request arrivals (the trace's own timestamps) and engine step ends are events, taken in time order.
+
+The same parts decide as online: the real :class:`Scheduler` and policy, the real prefix index and
+scorer (tokenizer ``extproc:tiny``), fed with each engine step's KV events encoded as vLLM sends
+them and decoded by the router's own ingest; in-flight leases from each decision to the request's
+last token, their predicted prefill measured in model seconds. The engines are the simulator's
+:class:`EngineCore`, stepped exactly as its :class:`EngineLoop` steps them (a step starts when the
+previous one ends while there is work, or when a request reaches an idle engine), with the outputs
+its HTTP layer would ask for (``max_tokens`` filler tokens).
+
+What differs from online, deliberately: KV events reach the index the moment their step ends (ZMQ
+takes a few ms online), and nothing waits on sockets or a CPU. Engine signals (``--scrape-interval``)
+are not modelled: online runs default to none as well.
+
+The result has the online arm's shape, so :func:`~bench.replay.run.summarize` and the report take
+it as is; times are model seconds (time scale 1), and ``compute_s`` is the CPU the run took.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from bench.replay.trace import TraceRequest, prompt_tokens
+from extproc.catalog.model import Catalog
+from extproc.catalog.store import CatalogStore
+from extproc.demo.catalog import LocalWorkerSet
+from extproc.kvindex.events import Source
+from extproc.kvindex.follow import plan_sources
+from extproc.openai import read_request
+from extproc.scheduling.inflight import InFlight, Lease
+from extproc.scheduling.scheduler import Scheduler
+from extproc.serve.prefix_routing import PrefixRouting
+from extproc.settings import PrefixSettings, TokenizerSpec
+from extproc.sim.engine_core import EngineCore, EngineParams, RequestOutput, SimRequest, StepResult
+from extproc.sim.kv_wire import EventEncoding, HashFormat, encode_batch
+from extproc.tokenize.registry import SHIPPED_TOKENIZER
+from extproc.types import EndpointAddress
+
+#: The token every simulated answer repeats (the online simulator repeats a filler sentence; what
+#: the answer holds only matters to the blocks it fills, which no later prompt shares).
+_ANSWER_TOKEN = 42
+
+
+@dataclass(slots=True)
+class _Flight:
+    """One request between its decision and its last token."""
+
+    record: Any  # run.Sent
+    lease: Lease
+    arrival: float
+
+
+@dataclass(slots=True)
+class OfflineEngine:
+    """One simulated engine: its core, its KV-event source and its place on the virtual timeline."""
+
+    address: EndpointAddress
+    core: EngineCore
+    #: Bumped whenever a step is scheduled, so a superseded idle step's end is ignored.
+    generation: int = 0
+    #: Model time the step in progress ends; None while idle.
+    busy_until: float | None = None
+    #: The step in progress is an idle wait for a CPU->GPU load (an arrival may end it early).
+    waiting_for_load: bool = False
+    seq: int = 0
+    ttft: list[float] = field(default_factory=list)
+    queue: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    finished: int = 0
+
+
+class OfflineReplay:
+    """One arm's run: events in model-time order until every request has finished."""
+
+    def __init__(
+        self,
+        arm: Any,  # run.Arm
+        requests: list[TraceRequest],
+        *,
+        engines: int,
+        engine: dict[str, Any],
+        output_cap: int,
+        vocab: int,
+        seed: int,
+        catalog: Callable[[LocalWorkerSet], Catalog],
+        sent: Callable[..., Any],  # run.Sent
+        model: str,
+        path: str,
+    ) -> None:
+        self.arm = arm
+        self.requests = requests
+        self.output_cap = output_cap
+        self.vocab = vocab
+        self.model, self.path = model, path
+        self._sent = sent
+        self.now = 0.0
+        params = EngineParams(**engine)
+        self.engines = {
+            EndpointAddress(f"127.0.0.1:{20000 + i}"): OfflineEngine(
+                EndpointAddress(f"127.0.0.1:{20000 + i}"), EngineCore(params)
+            )
+            for i in range(engines)
+        }
+        # Declared KV-event ports only make the catalog plan the sources; nothing listens on them.
+        kv_ports = {} if arm.approximate else {a: (30000 + i, 31000 + i) for i, a in enumerate(self.engines)}
+        worker_set = LocalWorkerSet(
+            "replay", model, list(self.engines), kv_block_size=params.block_size, kv_ports=kv_ports
+        )
+        self.store = CatalogStore()
+        # Tokenized inline (no thread pool): the prompts are token ids, and nothing must run on
+        # another clock than this one.
+        settings = PrefixSettings(tokenizers=(TokenizerSpec(model, SHIPPED_TOKENIZER),), tokenize_threads=0)
+        self.routing = PrefixRouting(settings, self.store)
+        self.store.publish(catalog(worker_set))
+        self.sources: dict[EndpointAddress, Source] = {}
+        for source, plan in plan_sources(self.store.current).items():
+            self.routing.index.add_source(source, namespace=plan.namespace, block_size=plan.block_size)
+            self.routing.index.set_complete(source, True)
+            self.sources[source.endpoint] = source
+        self.inflight = InFlight(clock=lambda: self.now)
+        self.scheduler = Scheduler(
+            lambda: self.store.current,
+            self.inflight,
+            max_fallbacks=0,
+            rng=random.Random(seed),
+            prefix=self.routing.scorer,
+            policy=arm.policy,
+        )
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._order = itertools.count()
+        self._flights: dict[str, _Flight] = {}
+        self.records: list[Any] = []
+
+    # -- the timeline ------------------------------------------------------------------------------
+
+    _ARRIVAL, _STEP_END = 1, 0  # at equal times, engine steps end before arrivals are routed
+
+    def _at(self, when: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self._events, (when, kind, next(self._order), payload))
+
+    def run(self) -> dict[str, Any]:
+        cpu0 = time.process_time()
+        for request in self.requests:
+            self._at(request.arrival_s, self._ARRIVAL, request)
+        while self._events:
+            when, kind, _, payload = heapq.heappop(self._events)
+            self.now = when
+            if kind == self._ARRIVAL:
+                self._arrive(payload)
+            else:
+                engine, generation, result = payload
+                if generation == engine.generation:
+                    self._step_ended(engine, result)
+        return {
+            "name": self.arm.name,
+            "prefix_mode": "approximate" if self.arm.approximate else "precise",
+            "wall_s": self.now,
+            "router_client_cpu_s": time.process_time() - cpu0,
+            "engine_cpu_s": 0.0,
+            "prefix_lookups": dict(self.routing.scorer.counters.lookups),
+            "engines": [self._engine_numbers(e) for e in self.engines.values()],
+            "requests": [asdict(r) for r in self.records],
+        }
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def _arrive(self, request: TraceRequest) -> None:
+        max_tokens = max(1, min(request.output_length, self.output_cap))
+        prompt = prompt_tokens(request, self.vocab)
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens}
+        started = time.perf_counter()
+        decision = self.scheduler.schedule(read_request(self.path, body))
+        address = decision.endpoints[0].address
+        record = self._sent(request.index, address)
+        record.router_cached = decision.prefix.cached_tokens.get(address, 0)
+        record.decide_s = time.perf_counter() - started
+        self.records.append(record)
+        tokens, seconds = decision.prefill
+        lease = self.scheduler.acquire(address, prefill_tokens=tokens, prefill_seconds=seconds)
+        if self.arm.active is not None:
+            self.arm.active.start(request.index, address, request.input_length, record.router_cached)
+        request_id = str(request.index)
+        self._flights[request_id] = _Flight(record, lease, self.now)
+        engine = self.engines[address]
+        engine.core.add_request(
+            SimRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                output_token_ids=[_ANSWER_TOKEN] * max_tokens,
+                arrival_time=self.now,
+                finish_reason="length",
+            )
+        )
+        if engine.busy_until is None or engine.waiting_for_load:
+            self._step(engine)
+
+    # -- engines -----------------------------------------------------------------------------------
+
+    def _step(self, engine: OfflineEngine) -> None:
+        """Start the engine's next step now, as its loop would; idle when there is nothing to run."""
+        engine.generation += 1
+        engine.waiting_for_load = False
+        if not engine.core.has_work:
+            engine.busy_until = None
+            return
+        result = engine.core.step(self.now)
+        if result.duration <= 0 and not result.outputs:
+            # Nothing could run (every request waits for blocks that only an arrival changes).
+            self._publish(engine, result)
+            engine.busy_until = None
+            return
+        engine.busy_until = self.now + result.duration
+        engine.waiting_for_load = result.idle
+        self._at(engine.busy_until, self._STEP_END, (engine, engine.generation, result))
+
+    def _step_ended(self, engine: OfflineEngine, result: StepResult) -> None:
+        for out in result.outputs:
+            self._output(engine, out)
+        self._publish(engine, result)
+        self._step(engine)
+
+    def _output(self, engine: OfflineEngine, out: RequestOutput) -> None:
+        flight = self._flights.get(out.request_id)
+        if flight is None:
+            return
+        record = flight.record
+        if out.ttft is not None:
+            engine.ttft.append(out.ttft)
+            engine.queue.append(out.queue_time or 0.0)
+            record.ttft_wall_s = self.now - flight.arrival
+            record.engine_cached = out.num_cached_tokens
+            flight.lease.first_token()
+            if self.arm.active is not None:
+                self.arm.active.first_token(int(out.request_id))
+        if out.finished:
+            if out.e2e is not None:
+                engine.e2e.append(out.e2e)
+            engine.finished += 1
+            record.e2e_wall_s = self.now - flight.arrival
+            record.ok = True
+            flight.lease.release()
+            if self.arm.active is not None:
+                self.arm.active.finish(int(out.request_id))
+            del self._flights[out.request_id]
+
+    def _publish(self, engine: OfflineEngine, result: StepResult) -> None:
+        """The step's KV events, as vLLM's publisher encodes them, through the router's ingest."""
+        source = self.sources.get(engine.address)
+        if not result.events or source is None:
+            return
+        payload = encode_batch(
+            result.events, ts=self.now, dp_rank=0, encoding=EventEncoding.MAPS, hash_format=HashFormat.INT
+        )
+        self.routing.ingest.on_batch(source, engine.seq, payload)
+        engine.seq += 1
+
+    @staticmethod
+    def _engine_numbers(engine: OfflineEngine) -> dict[str, Any]:
+        core = engine.core
+        return {
+            "address": engine.address,
+            "prefix_cache_queries": core.prefix_cache_queries,
+            "prefix_cache_hits": core.prefix_cache_hits,
+            "external_prefix_cache_hits": core.external_prefix_cache_hits,
+            "preemptions": core.num_preemptions,
+            "prompt_tokens": core.prompt_tokens,
+            "requests_finished": engine.finished,
+            "lag_dropped_s": 0.0,
+            "ttft": engine.ttft,
+            "queue": engine.queue,
+            "e2e": engine.e2e,
+        }
