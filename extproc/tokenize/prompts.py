@@ -26,10 +26,11 @@ def completion_prompt_ids(
     if isinstance(prompt.prompt, str):
         return tokenizer.encode(prompt.prompt, add_special_tokens=add_special_tokens)
     vocab = tokenizer.vocab_size
-    bad = next((t for t in prompt.prompt if not 0 <= t < vocab), None)
-    if bad is not None:
+    ids = prompt.prompt
+    if ids and (min(ids) < 0 or max(ids) >= vocab):  # C loops; find the culprit only when there is one
+        bad = next(t for t in ids if not 0 <= t < vocab)
         raise BadRequest(f"Token id {bad} is out of vocabulary (size {vocab})", param="prompt")
-    return list(prompt.prompt)
+    return list(ids)
 
 
 def chat_prompt_ids(prompt: ChatPrompt, tokenizer: Tokenizer, template: ChatTemplate) -> list[int]:
