@@ -37,3 +37,37 @@ def test_an_arm_is_invalid_when_the_client_or_the_engines_fell_behind(
 
 def test_older_results_without_engine_lag_are_judged_on_dispatch_lag() -> None:
     assert validity({"dispatch_lag_ms_p99": 5.0, "wall_s": 100.0}) is None
+
+
+def _run(arms: dict[str, tuple[float, float]], *, lag_ms: float = 5.0) -> dict[str, Any]:
+    """A replay result with one arm per policy: (hit rate, mean TTFT)."""
+    summaries = [
+        {"policy": name, "hit_rate": hit, "ttft_mean_s": ttft, **arm(lag_ms, 0.0)}
+        for name, (hit, ttft) in arms.items()
+    ]
+    return {
+        "machine": {"git_commit": "0" * 40, "date": "today"},
+        "config": {
+            "engines": 8,
+            "output_cap": 512,
+            "engine_params": {},
+            "engine_kind": "vllm",
+            "time_scale": 0.12,
+        },
+        "trace": {"first_row": 0, "requests": 3000},
+        "total_wall_s": 100.0,
+        "arms": [{"summary": s} for s in summaries],
+    }
+
+
+def test_the_crosscheck_names_each_policy_outside_the_tolerance_and_each_invalid_online_arm() -> None:
+    from bench.replay.crosscheck import markdown
+
+    online = _run({"a": (0.10, 1.00), "b": (0.10, 1.00)})
+    offline = _run({"a": (0.105, 0.95), "b": (0.10, 0.85)})
+    rows = {line.split(" | ")[0].strip("| "): line for line in markdown(online, offline).splitlines()}
+    assert rows["a"].endswith("| yes |") and rows["b"].endswith("| **no** |")
+    late = markdown(_run({"a": (0.10, 1.00)}, lag_ms=80.0), offline)
+    assert "online run invalid (dispatch lag p99 80 ms > 50)" in late
+    assert "Not comparable" not in late
+    assert "Not comparable" in markdown(online, {**offline, "trace": {"first_row": 5, "requests": 3000}})
