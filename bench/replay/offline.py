@@ -26,12 +26,11 @@ import heapq
 import itertools
 import random
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from bench.replay.run import MODEL, PATH, Arm, Config, Sent, replay_catalog
 from bench.replay.trace import TraceRequest, prompt_tokens
-from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
 from extproc.demo.catalog import LocalWorkerSet
 from extproc.kvindex.events import Source
@@ -55,7 +54,7 @@ _ANSWER_TOKEN = 42
 class _Flight:
     """One request between its decision and its last token."""
 
-    record: Any  # run.Sent
+    record: Sent
     lease: Lease
     arrival: float
 
@@ -82,46 +81,26 @@ class OfflineEngine:
 class OfflineReplay:
     """One arm's run: events in model-time order until every request has finished."""
 
-    def __init__(
-        self,
-        arm: Any,  # run.Arm
-        requests: list[TraceRequest],
-        *,
-        engines: int,
-        engine: dict[str, Any],
-        output_cap: int,
-        vocab: int,
-        seed: int,
-        catalog: Callable[[LocalWorkerSet], Catalog],
-        sent: Callable[..., Any],  # run.Sent
-        model: str,
-        path: str,
-    ) -> None:
+    def __init__(self, arm: Arm, requests: list[TraceRequest], cfg: Config, vocab: int) -> None:
         self.arm = arm
         self.requests = requests
-        self.output_cap = output_cap
+        self.output_cap = cfg.output_cap
         self.vocab = vocab
-        self.model, self.path = model, path
-        self._sent = sent
         self.now = 0.0
-        params = EngineParams(**engine)
-        self.engines = {
-            EndpointAddress(f"127.0.0.1:{20000 + i}"): OfflineEngine(
-                EndpointAddress(f"127.0.0.1:{20000 + i}"), EngineCore(params)
-            )
-            for i in range(engines)
-        }
+        params = EngineParams(**cfg.engine)
+        addresses = [EndpointAddress(f"127.0.0.1:{20000 + i}") for i in range(cfg.engines)]
+        self.engines = {a: OfflineEngine(a, EngineCore(params)) for a in addresses}
         # Declared KV-event ports only make the catalog plan the sources; nothing listens on them.
         kv_ports = {} if arm.approximate else {a: (30000 + i, 31000 + i) for i, a in enumerate(self.engines)}
         worker_set = LocalWorkerSet(
-            "replay", model, list(self.engines), kv_block_size=params.block_size, kv_ports=kv_ports
+            "replay", MODEL, list(self.engines), kv_block_size=params.block_size, kv_ports=kv_ports
         )
         self.store = CatalogStore()
         # Tokenized inline (no thread pool): the prompts are token ids, and nothing must run on
         # another clock than this one.
-        settings = PrefixSettings(tokenizers=(TokenizerSpec(model, SHIPPED_TOKENIZER),), tokenize_threads=0)
+        settings = PrefixSettings(tokenizers=(TokenizerSpec(MODEL, SHIPPED_TOKENIZER),), tokenize_threads=0)
         self.routing = PrefixRouting(settings, self.store)
-        self.store.publish(catalog(worker_set))
+        self.store.publish(replay_catalog(worker_set))
         self.sources: dict[EndpointAddress, Source] = {}
         for source, plan in plan_sources(self.store.current).items():
             self.routing.index.add_source(source, namespace=plan.namespace, block_size=plan.block_size)
@@ -132,14 +111,14 @@ class OfflineReplay:
             lambda: self.store.current,
             self.inflight,
             max_fallbacks=0,
-            rng=random.Random(seed),
+            rng=random.Random(cfg.seed),
             prefix=self.routing.scorer,
             policy=arm.policy,
         )
         self._events: list[tuple[float, int, int, Any]] = []
         self._order = itertools.count()
         self._flights: dict[str, _Flight] = {}
-        self.records: list[Any] = []
+        self.records: list[Sent] = []
 
     # -- the timeline ------------------------------------------------------------------------------
 
@@ -177,11 +156,11 @@ class OfflineReplay:
     def _arrive(self, request: TraceRequest) -> None:
         max_tokens = max(1, min(request.output_length, self.output_cap))
         prompt = prompt_tokens(request, self.vocab)
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens}
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
         started = time.perf_counter()
-        decision = self.scheduler.schedule(read_request(self.path, body))
+        decision = self.scheduler.schedule(read_request(PATH, body))
         address = decision.endpoints[0].address
-        record = self._sent(request.index, address)
+        record = Sent(request.index, address)
         record.router_cached = decision.prefix.cached_tokens.get(address, 0)
         record.decide_s = time.perf_counter() - started
         self.records.append(record)

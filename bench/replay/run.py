@@ -289,7 +289,7 @@ async def _replay(
     store = CatalogStore()
     routing = PrefixRouting(PrefixSettings(tokenizers=(TokenizerSpec(MODEL, SHIPPED_TOKENIZER),)), store)
     routing.start()
-    store.publish(_catalog(worker_set))
+    store.publish(replay_catalog(worker_set))
     scraper = None
     if cfg.scrape_interval > 0:
         scraper = EngineScraper(store, interval=cfg.scrape_interval * cfg.time_scale)
@@ -341,7 +341,7 @@ async def _replay(
     }
 
 
-def _catalog(worker_set: LocalWorkerSet) -> Catalog:
+def replay_catalog(worker_set: LocalWorkerSet) -> Catalog:
     """A catalog built in memory from the same objects a cluster would hold (as the parity tests do)."""
     objects = [parse_object(doc) for doc in catalog_documents([worker_set])]
     return build_catalog(
@@ -423,21 +423,9 @@ async def _one(
 
 def offline_arm(arm: Arm, requests: list[TraceRequest], cfg: Config, vocab: int) -> dict[str, Any]:
     """The arm played in virtual time (:mod:`bench.replay.offline`), same shape as :func:`run_arm`'s."""
-    from bench.replay.offline import OfflineReplay
+    from bench.replay.offline import OfflineReplay  # it imports this module
 
-    return OfflineReplay(
-        arm,
-        requests,
-        engines=cfg.engines,
-        engine=cfg.engine,
-        output_cap=cfg.output_cap,
-        vocab=vocab,
-        seed=cfg.seed,
-        catalog=_catalog,
-        sent=Sent,
-        model=MODEL,
-        path=PATH,
-    ).run()
+    return OfflineReplay(arm, requests, cfg, vocab).run()
 
 
 # -- summary ----------------------------------------------------------------------------------------
