@@ -19,7 +19,7 @@ from extproc.serve.app import Server
 from extproc.server import service
 from extproc.settings import ServeSettings, SourceSettings
 from extproc.types import EndpointAddress
-from server.test_stream import body, chat, headers
+from server.test_stream import body, chat, headers, response_headers
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "catalog.yaml"
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
@@ -128,11 +128,8 @@ async def _routing_exchange(call: Any, response_body_mode: int) -> list[ep.Proce
     """Envoy's messages for one BUFFERED chat up to the response headers, with each answer."""
     first = headers()
     first.protocol_config.response_body_mode = response_body_mode  # type: ignore[assignment]
-    response_headers = ep.ProcessingRequest()
-    status = response_headers.response_headers.headers.headers.add()
-    status.key, status.raw_value = ":status", b"200"
     answers = []
-    for message in (first, body(chat("chat")), response_headers):
+    for message in (first, body(chat("chat")), response_headers()):
         await call.write(message)
         answers.append(await call.read())
     return answers

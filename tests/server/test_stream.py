@@ -415,7 +415,7 @@ def test_data_parallel_rank_header_names_the_rank_holding_the_prefix(
     assert set_headers(answer.request_body.response).get("x-data-parallel-rank") == expected
 
 
-def _response_headers() -> ep.ProcessingRequest:
+def response_headers() -> ep.ProcessingRequest:
     request = ep.ProcessingRequest()
     h = request.response_headers.headers.headers.add()
     h.key, h.raw_value = ":status", b"200"
@@ -426,7 +426,7 @@ def _envoy_answer(
     address: str, details: str, attempts: int = 1, *, filter_name: str = "envoy.filters.http.ext_proc"
 ) -> ep.ProcessingRequest:
     """Response headers with the ``response_attributes`` the shipped configs ask for."""
-    request = _response_headers()
+    request = response_headers()
     request.attributes[filter_name].update(
         {
             "upstream.address": address,
@@ -494,7 +494,7 @@ def test_response_headers_without_attributes_report_nothing() -> None:
     s = RequestStream(router, Metrics(), max_body_bytes=1 << 20, budget=BodyBudget(1 << 30))
     s.handle(headers())
     s.handle(body(chat("llama-3-8b")))
-    s.handle(_response_headers())
+    s.handle(response_headers())
     assert router.unreachable_reports == router.retried_away_reports == []
 
 
@@ -507,7 +507,7 @@ def test_decision_headers_reach_the_client_only_when_asked(enabled: bool) -> Non
     )
     s.handle(headers())
     s.handle(body(chat("llama-3-8b")))
-    [answer] = s.handle(_response_headers())
+    [answer] = s.handle(response_headers())
     added = set_headers(answer.response_headers.response)
     if enabled:
         assert added == {
