@@ -69,7 +69,7 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
         stream: RequestStream | AccountingStream | None = None
         self._metrics.streams.inc()
         how = "closed"
-        lingering = False
+        over = lingering = False
         try:
             async for request in request_iterator:
                 if stream is None:
@@ -86,15 +86,14 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                     return
                 for response in responses:
                     yield response
-                if _exchange_over(stream, responses):
-                    stream.close()
-                    lingering = True
-                    await asyncio.sleep(CLOSE_WAIT_S)  # for Envoy's close, reading nothing
-                    return
-            if isinstance(stream, AccountingStream):
-                stream.close()  # the response has ended: the request no longer counts
+                if over := _exchange_over(stream, responses):
+                    break
+            if stream is not None and (over or isinstance(stream, AccountingStream)):
+                # Nothing more can come (for an accounting stream: its half-close, the response's
+                # end): release the count now, then wait for Envoy's close reading nothing.
+                stream.close()
                 lingering = True
-                await asyncio.sleep(CLOSE_WAIT_S)  # for Envoy's reset (see the constant)
+                await asyncio.sleep(CLOSE_WAIT_S)
         except DecodeError:
             # Not a ProcessingRequest at all (raised by the iterator): Envoy never sends one, so
             # whoever did gets a gRPC error naming the problem, counted, logged once a minute.
