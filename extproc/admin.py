@@ -52,9 +52,10 @@ def admin_app(
     state: Callable[[], dict[str, Any]],
     ready: Callable[[], bool] | None = None,
     worker_sets: Callable[[], dict[str, Any]] | None = None,
+    profiles: Callable[[], str] | None = None,
 ) -> web.Application:
-    """The aiohttp application serving the admin routes (``/readyz`` and ``/debug/worker-sets``
-    only when given)."""
+    """The aiohttp application serving the admin routes (``/readyz``, ``/debug/worker-sets`` and
+    ``/debug/profiles`` only when given)."""
 
     async def metrics(_: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(registry))
@@ -89,6 +90,13 @@ def admin_app(
             return web.Response(body=orjson.dumps(sets()), content_type="application/json")
 
         app.router.add_get("/debug/worker-sets", loopback_only(debug_worker_sets))
+    if profiles is not None:
+        fitted = profiles
+
+        async def debug_profiles(_: web.Request) -> web.Response:
+            return web.Response(text=fitted(), content_type="application/yaml")
+
+        app.router.add_get("/debug/profiles", loopback_only(debug_profiles))
     return app
 
 

@@ -15,12 +15,20 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import uvloop
 
 from extproc import __version__
 from extproc.errors import ConfigError, ExtprocError
 from extproc.scheduling.registry import DEFAULT_POLICY, POLICIES
-from extproc.settings import PrefixSettings, ServeSettings, SourceSettings, TokenizerSpec
+from extproc.settings import (
+    DEFAULT_ADMIN_LISTEN,
+    PrefixSettings,
+    ServeSettings,
+    SourceSettings,
+    TokenizerSpec,
+    parse_host_port,
+)
 from extproc.telemetry import configure_logging
 
 log = logging.getLogger("extproc")
@@ -58,7 +66,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--listen", default="127.0.0.1:9002", help="gRPC ext_proc + health address (127.0.0.1:9002)"
     )
     p.add_argument(
-        "--admin-listen", default="127.0.0.1:9090", help="/metrics and /debug/state address (127.0.0.1:9090)"
+        "--admin-listen",
+        default=DEFAULT_ADMIN_LISTEN,
+        help=f"/metrics and /debug/state address ({DEFAULT_ADMIN_LISTEN})",
     )
     p.add_argument(
         "--max-body-bytes", type=int, default=16 * 1024 * 1024, help="larger bodies get 413 (16 MiB)"
@@ -89,6 +99,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         type=Path,
         default=None,
         help="latency profiles (YAML, re-read when it changes) for --policy predicted-ttft",
+    )
+    p.add_argument(
+        "--calibrate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fit each worker set's prefill rate and step cost to its engines' reported TTFTs "
+        "(needs --scrape-interval > 0; on)",
     )
     p.add_argument(
         "--scrape-interval",
@@ -183,6 +200,7 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
         prefix=_prefix_settings(args),
         policy=args.policy,
         profiles=args.profiles,
+        calibrate=args.calibrate,
         scrape_interval=args.scrape_interval,
         decision_headers=args.decision_headers,
     )
@@ -231,7 +249,40 @@ def build_parser() -> argparse.ArgumentParser:
     from extproc.reconcile.run import add_reconcile_parser
 
     add_reconcile_parser(sub)
+    _fitted_profiles_parser(sub)
     return parser
+
+
+def _fitted_profiles_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "fitted-profiles",
+        help="print a running serve's calibrated latency profiles as a --profiles file (YAML)",
+    )
+    p.add_argument(
+        "--admin",
+        default=DEFAULT_ADMIN_LISTEN,
+        help=f"serve's admin address, HOST:PORT ({DEFAULT_ADMIN_LISTEN}; /debug/profiles is "
+        "loopback-only: run this in the pod, or port-forward)",
+    )
+    p.set_defaults(handler=_run_fitted_profiles)
+
+
+async def _run_fitted_profiles(args: argparse.Namespace, _stop: asyncio.Event) -> None:
+    host, port = parse_host_port(args.admin, what="--admin")
+    url = f"http://{host}:{port}/debug/profiles"
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session,
+            session.get(url) as resp,
+        ):
+            text = await resp.text()
+            if resp.status != 200:
+                raise ExtprocError(f"{url} answered {resp.status}: {text.strip()[:200]}")
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise ExtprocError(
+            f"cannot read {url}: {exc or type(exc).__name__} (is serve running there?)"
+        ) from exc
+    sys.stdout.write(text)
 
 
 def _install_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:

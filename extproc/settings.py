@@ -187,6 +187,10 @@ class PrefixSettings:
             raise ConfigError(f"--tokenizer: a model is given twice in {models}")
 
 
+#: serve's admin address when --admin-listen is not given.
+DEFAULT_ADMIN_LISTEN = "127.0.0.1:9090"
+
+
 @dataclass(frozen=True, slots=True)
 class ServeSettings:
     """Everything ``extproc serve`` needs."""
@@ -195,7 +199,7 @@ class ServeSettings:
     #: gRPC ext_proc (+ grpc.health.v1) listen address. Loopback by default.
     listen: str = "127.0.0.1:9002"
     #: Admin HTTP (``/metrics``, ``/debug/state``) listen address. Loopback by default.
-    admin_listen: str = "127.0.0.1:9090"
+    admin_listen: str = DEFAULT_ADMIN_LISTEN
     #: Largest request body accepted, in bytes; larger ones get 413. Default 16 MiB.
     max_body_bytes: int = 16 * 1024 * 1024
     #: Request-body bytes all streams may hold at once; past it, requests get 429. Default 256 MiB.
@@ -215,6 +219,9 @@ class ServeSettings:
     policy: str | None = None
     #: The latency profiles file (YAML, hot-reloaded); None = the built-in ``default`` profile only.
     profiles: Path | None = None
+    #: Fit each worker set's prefill rate and step cost to the TTFTs its engines report (needs
+    #: scraping); False: the profiles are used as written.
+    calibrate: bool = True
     #: Seconds between scrapes of every endpoint's Prometheus metrics; 0 turns scraping off.
     scrape_interval: float = 1.0
     #: Add ``x-extproc-*`` headers describing the decision to client responses. Off by default:

@@ -9,8 +9,13 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import yaml
 from ports import free_port
 from processes import run_extproc
+from prometheus_client import CollectorRegistry
+
+from extproc.admin import admin_app, start_admin
+from extproc.scheduling.profiles import Profile, parse_profiles, render_profiles
 
 DATA = Path(__file__).resolve().parent / "data" / "catalog.yaml"
 
@@ -71,3 +76,24 @@ async def test_serve_runs_and_stops_on_sigterm() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_fitted_profiles_prints_what_serve_fitted_as_a_profiles_file() -> None:
+    """``extproc fitted-profiles`` reads a running serve's ``/debug/profiles`` and prints it as is."""
+    fitted = render_profiles({"h100": Profile(prefill_tokens_per_s=12_345.5)}, {"h100": "fitted on x"})
+    app = admin_app(registry=CollectorRegistry(), state=dict, profiles=lambda: fitted)
+    runner, port = await start_admin(app, "127.0.0.1:0")
+    try:
+        returncode, output = await run_extproc("fitted-profiles", "--admin", f"127.0.0.1:{port}")
+    finally:
+        await runner.cleanup()
+    assert returncode == 0, output
+    assert output == fitted
+    assert parse_profiles(yaml.safe_load(output))["h100"].prefill_tokens_per_s == 12_345.5
+
+
+async def test_fitted_profiles_says_when_nothing_answers() -> None:
+    returncode, output = await run_extproc("fitted-profiles", "--admin", f"127.0.0.1:{free_port()}")
+    assert returncode == 1
+    assert "cannot read http://127.0.0.1:" in output and "is serve running there?" in output
+    assert "Traceback" not in output

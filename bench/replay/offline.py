@@ -14,7 +14,9 @@ its HTTP layer would ask for (``max_tokens`` filler tokens).
 
 What differs from online, deliberately: KV events reach the index the moment their step ends (ZMQ
 takes a few ms online), and nothing waits on sockets or a CPU. Engine signals (``--scrape-interval``)
-are not modelled: online runs default to none as well.
+are not modelled: online runs default to none as well. The one exception is profile calibration
+(:mod:`extproc.scheduling.calibration`): given one, the replay hands it each engine's latency
+totals and counts every ``scrape_s`` model seconds, as serve's scraper would.
 
 The result has the online arm's shape, so :func:`~bench.replay.run.summarize` and the report take
 it as is; times are model seconds (time scale 1), and ``compute_s`` is the CPU the run took.
@@ -36,8 +38,10 @@ from extproc.demo.catalog import LocalWorkerSet
 from extproc.kvindex.events import Source
 from extproc.kvindex.follow import plan_sources
 from extproc.openai import read_request
+from extproc.scheduling.calibration import Calibration
 from extproc.scheduling.inflight import InFlight, Lease
 from extproc.scheduling.scheduler import Scheduler
+from extproc.scheduling.signals import EngineSignals
 from extproc.serve.prefix_routing import PrefixRouting
 from extproc.settings import PrefixSettings, TokenizerSpec
 from extproc.sim.engine_core import EngineCore, EngineParams, RequestOutput, SimRequest, StepResult
@@ -73,6 +77,11 @@ class OfflineEngine:
     waiting_for_load: bool = False
     seq: int = 0
     ttft: list[float] = field(default_factory=list)
+    #: The engine's TTFT histogram ``_sum`` (its ``_count`` is ``len(ttft)``).
+    ttft_sum: float = 0.0
+    #: Its inter-token latency histogram's ``_sum`` and ``_count``.
+    itl_sum: float = 0.0
+    itl_count: int = 0
     queue: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
     finished: int = 0
@@ -81,8 +90,19 @@ class OfflineEngine:
 class OfflineReplay:
     """One arm's run: events in model-time order until every request has finished."""
 
-    def __init__(self, arm: Arm, requests: list[TraceRequest], cfg: Config, vocab: int) -> None:
+    def __init__(
+        self,
+        arm: Arm,
+        requests: list[TraceRequest],
+        cfg: Config,
+        vocab: int,
+        *,
+        calibration: Calibration | None = None,
+        scrape_s: float = 1.0,
+    ) -> None:
         self.arm = arm
+        self.calibration = calibration
+        self.scrape_s = scrape_s
         self.requests = requests
         self.output_cap = cfg.output_cap
         self.vocab = vocab
@@ -122,7 +142,7 @@ class OfflineReplay:
 
     # -- the timeline ------------------------------------------------------------------------------
 
-    _ARRIVAL, _STEP_END = 1, 0  # at equal times, engine steps end before arrivals are routed
+    _ARRIVAL, _STEP_END, _SCRAPE = 1, 0, 2  # at equal times: steps end, arrivals route, scrapes
 
     def _at(self, when: float, kind: int, payload: Any) -> None:
         heapq.heappush(self._events, (when, kind, next(self._order), payload))
@@ -131,11 +151,15 @@ class OfflineReplay:
         cpu0 = time.process_time()
         for request in self.requests:
             self._at(request.arrival_s, self._ARRIVAL, request)
+        if self.calibration is not None:
+            self._at(self.scrape_s, self._SCRAPE, None)
         while self._events:
             when, kind, _, payload = heapq.heappop(self._events)
             self.now = when
             if kind == self._ARRIVAL:
                 self._arrive(payload)
+            elif kind == self._SCRAPE:
+                self._scrape()
             else:
                 engine, generation, result = payload
                 if generation == engine.generation:
@@ -163,6 +187,8 @@ class OfflineReplay:
         record = Sent(request.index, address)
         record.router_cached = decision.prefix.cached_tokens.get(address, 0)
         record.decide_s = time.perf_counter() - started
+        predicted_ms = decision.notes.get("x-extproc-predicted-ttft-ms")
+        record.predicted_ttft_s = None if predicted_ms is None else float(predicted_ms) / 1000
         self.records.append(record)
         tokens, seconds = decision.prefill
         lease = self.scheduler.acquire(address, prefill_tokens=tokens, prefill_seconds=seconds)
@@ -203,6 +229,8 @@ class OfflineReplay:
         self._at(engine.busy_until, self._STEP_END, (engine, engine.generation, result))
 
     def _step_ended(self, engine: OfflineEngine, result: StepResult) -> None:
+        engine.itl_sum += result.duration * result.num_decode_seqs
+        engine.itl_count += result.num_decode_seqs
         for out in result.outputs:
             self._output(engine, out)
         self._publish(engine, result)
@@ -215,6 +243,7 @@ class OfflineReplay:
         record = flight.record
         if out.ttft is not None:
             engine.ttft.append(out.ttft)
+            engine.ttft_sum += out.ttft
             engine.queue.append(out.queue_time or 0.0)
             record.ttft_wall_s = self.now - flight.arrival
             record.engine_cached = out.num_cached_tokens
@@ -231,6 +260,26 @@ class OfflineReplay:
             if self.arm.active is not None:
                 self.arm.active.finish(int(out.request_id))
             del self._flights[out.request_id]
+
+    def _scrape(self) -> None:
+        """Every engine's latency totals to the calibration, then the next scrape while work remains."""
+        assert self.calibration is not None
+        for engine in self.engines.values():
+            core = engine.core
+            signals = EngineSignals(
+                core.num_running,
+                core.num_waiting,
+                None,
+                core.prefix_cache_queries,
+                core.prefix_cache_hits,
+                ttft_seconds_sum=engine.ttft_sum,
+                ttft_count=len(engine.ttft),
+                itl_seconds_sum=engine.itl_sum,
+                itl_count=engine.itl_count,
+            )
+            self.calibration.scraped(engine.address, signals)
+        if self._events:  # arrivals or steps still to come
+            self._at(self.now + self.scrape_s, self._SCRAPE, None)
 
     def _publish(self, engine: OfflineEngine, result: StepResult) -> None:
         """The step's KV events, as vLLM's publisher encodes them, through the router's ingest."""

@@ -50,6 +50,7 @@ from extproc.scheduling.cache_then_load import CacheThenLoad
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.least_in_flight import LeastInFlight
 from extproc.scheduling.policy import Policy
+from extproc.scheduling.profiles import Profile
 from extproc.scheduling.scheduler import Scheduler
 from extproc.serve.prefix_routing import PrefixRouting
 from extproc.settings import PrefixSettings, TokenizerSpec
@@ -80,22 +81,24 @@ class Arm:
     active: ActiveBlocks | None = None
 
 
-def ours(engine: EngineParams) -> tuple[str, Policy]:
-    """The router's own policy: the latency-profile predictor when it exists, else cache-then-load.
+def true_profile(engine: EngineParams) -> Profile:
+    """The latency profile the simulated engines actually run: their speed and batch limits."""
+    return Profile(
+        prefill_tokens_per_s=engine.prefill_tokens_per_s,
+        decode_base_ms=engine.decode_base_s * 1000,
+        decode_per_seq_ms=engine.decode_per_seq_s * 1000,
+        max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+    )
 
-    The predictor gets the profile the simulated engines actually run (their speed and batch limits).
-    """
+
+def ours(engine: EngineParams) -> tuple[str, Policy]:
+    """The router's own policy: the latency-profile predictor (with :func:`true_profile`) when it
+    exists, else cache-then-load."""
     try:
         from extproc.scheduling.predictor import PredictedTTFT
-        from extproc.scheduling.profiles import Profile
 
-        profile = Profile(
-            prefill_tokens_per_s=engine.prefill_tokens_per_s,
-            decode_base_ms=engine.decode_base_s * 1000,
-            decode_per_seq_ms=engine.decode_per_seq_s * 1000,
-            max_num_seqs=engine.max_num_seqs,
-            max_num_batched_tokens=engine.max_num_batched_tokens,
-        )
+        profile = true_profile(engine)
         policy: Policy = PredictedTTFT(lambda _endpoint: profile)
         return f"ours ({policy.name})", policy
     except Exception as exc:  # not landed, or its interface changed: still compare something
@@ -220,6 +223,8 @@ class Sent:
     e2e_wall_s: float | None = None
     lag_s: float = 0.0
     error: str | None = None
+    #: The policy's predicted TTFT for the pick (predicted-ttft only), seconds.
+    predicted_ttft_s: float | None = None
 
 
 @dataclass(slots=True)

@@ -116,6 +116,7 @@ class EngineScraper(EndpointPoller):
         clock: Callable[[], float] = time.monotonic,
         max_response_bytes: int = MAX_RESPONSE_BYTES,
         on_unreachable: Callable[[EndpointAddress], None] = lambda _address: None,
+        on_signals: Callable[[EndpointAddress, EngineSignals], None] = lambda _address, _signals: None,
     ) -> None:
         if not interval > 0:
             raise ValueError(f"interval must be positive, got {interval}")
@@ -126,6 +127,8 @@ class EngineScraper(EndpointPoller):
         self._states: dict[EndpointAddress, _State] = {}
         #: Called once when an endpoint turns unreachable (e.g. to drop what its cache was thought to hold).
         self._on_unreachable = on_unreachable
+        #: Called with each successful scrape's signals (e.g. to calibrate profiles).
+        self._on_signals = on_signals
         self.rounds = 0
         self._unsubscribe = store.subscribe(self._follow)
         self._follow(store.current)
@@ -257,6 +260,8 @@ class EngineScraper(EndpointPoller):
                 log.warning("%s", _kind_problem(address, state.declared, detected))
             state.signals, state.scraped_at, state.error, state.error_at = signals, now, None, None
             state.unreachable = False
+            if signals is not None:
+                self._on_signals(address, signals)
             return
         state.failures += 1
         state.error, state.error_at = str(error), now

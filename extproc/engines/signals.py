@@ -23,6 +23,10 @@ SGLang's equivalents (0.5): ``sglang:num_running_reqs``, ``sglang:num_queue_reqs
 ``sglang:prompt_tokens_total`` and ``sglang:cached_tokens_total`` (prompt tokens served from the
 cache; only ``cache_source="device"``, the GPU, counts as a hit, as vLLM's counter counts).
 Under OpenMetrics SGLang's names read ``sglang_...``; both spellings are accepted.
+
+Both engines' ``time_to_first_token_seconds`` and ``inter_token_latency_seconds`` histograms are
+read for their ``_sum`` and ``_count`` only (running totals over all ranks), which profile
+calibration compares with our predictions (:mod:`extproc.scheduling.calibration`).
 """
 
 from __future__ import annotations
@@ -50,6 +54,20 @@ SGLANG_WAITING = "sglang:num_queue_reqs"
 SGLANG_KV_USAGE = "sglang:token_usage"
 SGLANG_PROMPT_TOKENS = "sglang:prompt_tokens"
 SGLANG_CACHED_TOKENS = "sglang:cached_tokens"
+#: The time-to-first-token histogram's running totals (both engines use this name), for calibration.
+TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
+TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
+SGLANG_TTFT_SUM = "sglang:time_to_first_token_seconds_sum"
+SGLANG_TTFT_COUNT = "sglang:time_to_first_token_seconds_count"
+#: ... and the inter-token latency histogram's: every decoding sequence's wait for its next token.
+ITL_SUM = "vllm:inter_token_latency_seconds_sum"
+ITL_COUNT = "vllm:inter_token_latency_seconds_count"
+SGLANG_ITL_SUM = "sglang:inter_token_latency_seconds_sum"
+SGLANG_ITL_COUNT = "sglang:inter_token_latency_seconds_count"
+_HISTOGRAM_TOTALS = (
+    *(TTFT_SUM, TTFT_COUNT, SGLANG_TTFT_SUM, SGLANG_TTFT_COUNT),
+    *(ITL_SUM, ITL_COUNT, SGLANG_ITL_SUM, SGLANG_ITL_COUNT),
+)
 
 _GAUGES = (RUNNING, WAITING, KV_USAGE, KV_USAGE_OLD, SGLANG_RUNNING, SGLANG_WAITING, SGLANG_KV_USAGE)
 _COUNTERS = (
@@ -63,6 +81,7 @@ _COUNTERS = (
 _WANTED: dict[str, str] = {name: name for name in _GAUGES}
 _WANTED.update({f"{name}_total": name for name in _COUNTERS})
 _WANTED.update({name: name for name in _COUNTERS})
+_WANTED.update({name: name for name in _HISTOGRAM_TOTALS})
 _WANTED.update({name.replace("sglang:", "sglang_"): family for name, family in list(_WANTED.items())})
 
 #: The label naming a sample's data-parallel rank, per engine.
@@ -164,6 +183,8 @@ def parse_signals(text: str | bytes) -> EngineSignals:
     hits = pick(PREFIX_HITS, SGLANG_CACHED_TOKENS, fallback=PREFIX_HITS_OLD)
     if queries is not None and hits is None and SGLANG_PROMPT_TOKENS in found.values:
         hits = [0.0]  # SGLang exports no cached-tokens sample until its first hit
+    ttft_sum, ttft_count = pick(TTFT_SUM, SGLANG_TTFT_SUM), pick(TTFT_COUNT, SGLANG_TTFT_COUNT)
+    itl_sum, itl_count = pick(ITL_SUM, SGLANG_ITL_SUM), pick(ITL_COUNT, SGLANG_ITL_COUNT)
     if running is None and waiting is None and usage is None:
         detail = f"; first problem: {found.first_problem}" if found.first_problem else ""
         raise MetricsParseError(
@@ -179,6 +200,10 @@ def parse_signals(text: str | bytes) -> EngineSignals:
         kv_cache_usage=None if usage is None else min(1.0, max(0.0, max(usage))),
         prefix_cache_queries=None if queries is None else sum(queries),
         prefix_cache_hits=None if hits is None else sum(hits),
+        ttft_seconds_sum=None if ttft_sum is None or ttft_count is None else sum(ttft_sum),
+        ttft_count=None if ttft_sum is None or ttft_count is None else sum(ttft_count),
+        itl_seconds_sum=None if itl_sum is None or itl_count is None else sum(itl_sum),
+        itl_count=None if itl_sum is None or itl_count is None else sum(itl_count),
         engines=tuple(sorted(found.engines, key=_engine_order)),
         model_names=tuple(sorted(found.models)),
         old_names=tuple(old),

@@ -83,6 +83,12 @@ class Prediction:
     load: int
     #: The endpoint's queue is at its profile's ``queue_limit``.
     saturated: bool
+    #: Prefill tokens the prediction charges (``ahead + max(uncached, 1)``): ``ttft_s`` holds
+    #: ``work_tokens / prefill_tokens_per_s`` seconds of compute, the rest is step costs and waits
+    #: proportional to the profile's step cost. Calibration fits both parts.
+    work_tokens: float = 0.0
+    #: The part of ``ttft_s`` that scales with the step cost (``decode_base_ms``, ``decode_per_seq_ms``).
+    step_s: float = 0.0
 
 
 def effective_cached_tokens(gpu_tokens: int, lower_tokens: int, profile: Profile) -> int:
@@ -137,9 +143,11 @@ def predict(request: RequestFacts, candidate: Candidate, profile: Profile) -> Pr
     work = ahead + max(uncached, 1)
     chunk = max(1.0, B - decoding)
     step = p.step_s(decoding)
-    prefill = work / p.prefill_tokens_per_s + math.ceil(work / chunk - 1e-9) * step
     residual = step / 2 if load > 0 else 0.0
-    return Prediction(residual + wait + prefill, uncached, load, saturated)
+    stepped = residual + wait + math.ceil(work / chunk - 1e-9) * step
+    return Prediction(
+        work / p.prefill_tokens_per_s + stepped, uncached, load, saturated, work_tokens=work, step_s=stepped
+    )
 
 
 class PredictedTTFT:
@@ -153,12 +161,16 @@ class PredictedTTFT:
 
     def __init__(self, profile_of: Callable[[Endpoint], Profile]) -> None:
         self.profile_of = profile_of
+        #: Told each pick and its prediction (calibration matches them to the engines' TTFTs).
+        self.on_pick: Callable[[Endpoint, Prediction], None] | None = None
 
     def rank(self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random) -> Ranking:
         ordered = self.ordered(request, candidates, rng)
         if not ordered:
             return Ranking([])
         best = ordered[0][0]
+        if self.on_pick is not None:
+            self.on_pick(ordered[0][1].endpoint, best)
         return Ranking(
             candidates=[c for _, c in ordered],
             # Saturated candidates rank last, so a saturated best means all of them are.

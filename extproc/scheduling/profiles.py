@@ -324,3 +324,20 @@ def profile_lookup(
         return profile
 
     return profile_of
+
+
+def render_profiles(profiles: Mapping[str, Profile], comments: Mapping[str, str] | None = None) -> str:
+    """A ``--profiles`` file holding ``profiles`` (every key written), ``comments[name]`` above each.
+
+    The inverse of :func:`parse_profiles`: what it writes reads back to the same profiles.
+    """
+    lines = ["profiles:"]
+    for name, profile in profiles.items():
+        for comment in (comments or {}).get(name, "").splitlines():
+            lines.append(f"  # {comment}")
+        lines.append(f"  {yaml.safe_dump(name).splitlines()[0]}:")
+        for key in _KEYS:
+            value = getattr(profile, key)
+            text = "null" if value is None else repr(round(value, 6) if isinstance(value, float) else value)
+            lines.append(f"    {key}: {text}")
+    return "\n".join(lines) + "\n"

@@ -29,6 +29,13 @@ class EngineSignals:
     prefix_cache_queries: float | None
     #: Cumulative prompt tokens found in the prefix cache (a counter).
     prefix_cache_hits: float | None
+    #: Running totals of the engine's time-to-first-token histogram (seconds, requests), all ranks;
+    #: None unless the page has both.
+    ttft_seconds_sum: float | None = None
+    ttft_count: float | None = None
+    #: The same for the inter-token latency histogram (one sample per decoded token after the first).
+    itl_seconds_sum: float | None = None
+    itl_count: float | None = None
     #: Distinct DP ranks (vLLM's ``engine`` label, SGLang's ``dp_rank``), sorted; its length is the
     #: visible DP size.
     engines: tuple[str, ...] = ()

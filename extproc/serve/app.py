@@ -20,13 +20,14 @@ from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore, take_apart
 from extproc.engines.discovery import ModelDiscovery
 from extproc.engines.scraper import EngineScraper
+from extproc.scheduling.calibration import Calibration, fitted_profiles
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.policy import Policy
 from extproc.scheduling.predictor import PredictedTTFT
-from extproc.scheduling.profiles import ProfileStore, profile_lookup
+from extproc.scheduling.profiles import DEFAULT_PROFILE, ProfileStore, profile_lookup, render_profiles
 from extproc.scheduling.registry import DEFAULT_POLICY, build_policy
 from extproc.scheduling.scheduler import Scheduler
-from extproc.serve.collectors import CatalogCollector, UnknownProfileCollector
+from extproc.serve.collectors import CalibrationCollector, CatalogCollector, UnknownProfileCollector
 from extproc.serve.loop_lag import watch_loop_lag
 from extproc.serve.observed import observe_worker_sets
 from extproc.serve.prefix_routing import PrefixRouting
@@ -37,6 +38,7 @@ from extproc.sources.file import FileSource, ReloadOutcome
 from extproc.sources.kube import KubeSource
 from extproc.tasks import cancel_and_wait
 from extproc.telemetry import Metrics
+from extproc.types import WorkerSetKey
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +60,12 @@ class Server:
             else FileSource(settings.source, on_reload=self._count_reload)
         )
         self.prefix = PrefixRouting(settings.prefix, self.store)
+        self.calibration = Calibration()
         self.scraper = EngineScraper(
-            self.store, interval=settings.scrape_interval or 1.0, on_unreachable=self.prefix.endpoint_gone
+            self.store,
+            interval=settings.scrape_interval or 1.0,
+            on_unreachable=self.prefix.endpoint_gone,
+            on_signals=self.calibration.scraped,
         )
         #: What the source declares; the store holds it with what model discovery learned applied.
         self._declared = Catalog()
@@ -138,8 +144,15 @@ class Server:
         )
 
     def _policy(self, name: str) -> Policy:
-        policy = build_policy(name, profile_of=profile_lookup(self.profiles, lambda: self.store.current))
+        profile_of = profile_lookup(self.profiles, lambda: self.store.current)
+        calibrating = self.settings.calibrate and self.settings.scrape_interval > 0
+        if calibrating:
+            profile_of = self.calibration.profile_of(profile_of)
+        policy = build_policy(name, profile_of=profile_of)
         if isinstance(policy, PredictedTTFT):
+            if calibrating:
+                policy.on_pick = self.calibration.picked
+                self.metrics.registry.register(CalibrationCollector(self.calibration))
             # Only a policy that reads profiles can be misled by a worker set naming an unknown one.
             self.metrics.registry.register(
                 UnknownProfileCollector(lambda: self.store.current, lambda p: self.profiles.resolve(p)[1])
@@ -201,6 +214,7 @@ class Server:
             state=self.debug_state,
             ready=self.ready,
             worker_sets=self.worker_sets_state,
+            profiles=self.fitted_profiles,
         )
         self._admin, self.admin_port = await start_admin(app, self.settings.admin_listen)
 
@@ -213,6 +227,19 @@ class Server:
             block_size_mismatch=self.prefix.index.block_size_mismatch,
             engine_problems=self.scraper.kind_problems() if self.settings.scrape_interval > 0 else None,
         )
+
+    def fitted_profiles(self) -> str:
+        """What ``/debug/profiles`` shows: the calibrated profiles as a ``--profiles`` file."""
+        catalog = self.store.current
+
+        def profile_name(key: WorkerSetKey) -> str:
+            worker_set = catalog.worker_sets.get(key)
+            return worker_set.profile if worker_set is not None and worker_set.profile else DEFAULT_PROFILE
+
+        profiles, comments = fitted_profiles(self.calibration.fits, profile_name)
+        if not profiles:
+            return "# nothing calibrated yet (needs predicted-ttft, --calibrate, scraping and traffic)\n"
+        return render_profiles(profiles, comments)
 
     def debug_state(self) -> dict[str, Any]:
         """What ``/debug/state`` shows: the catalog, in-flight counts, and who we are."""
@@ -231,6 +258,7 @@ class Server:
                 "file": None if self.settings.profiles is None else str(self.settings.profiles),
                 "error": self.profiles.error,
                 "profiles": {name: p.to_debug() for name, p in sorted(self.profiles.profiles.items())},
+                "calibrated": self.calibration.debug_state(),
             },
             "engines": self.scraper.debug_state() if self.settings.scrape_interval > 0 else {},
             "workerSetStatus": self.worker_sets_state(),

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from extproc.catalog.model import Catalog
+from extproc.scheduling.calibration import Calibration
 from extproc.types import EndpointAddress
 
 
@@ -77,3 +78,41 @@ class CatalogCollector(Collector):
             "Source objects rejected or held at a previous version.",
             value=len(catalog.problems),
         )
+
+
+class CalibrationCollector(Collector):
+    """Each worker set's fitted profile speeds and how far its TTFT predictions miss."""
+
+    def __init__(self, calibration: Calibration) -> None:
+        self._calibration = calibration
+
+    def collect(self) -> Iterable[Metric]:
+        speeds = GaugeMetricFamily(
+            "extproc_profile_calibrated",
+            "A worker set's profile speed in use after calibration (prefill_tokens_per_s, "
+            "decode_base_ms, decode_per_seq_ms).",
+            labels=["worker_set", "parameter"],
+        )
+        error = GaugeMetricFamily(
+            "extproc_ttft_prediction_error_ratio",
+            "Median absolute error of recent TTFT predictions against the engines' reported TTFTs, "
+            "relative to the reported (0.2 = 20%).",
+            labels=["worker_set"],
+        )
+        matched = CounterMetricFamily(
+            "extproc_ttft_predictions_matched",
+            "Requests whose predicted TTFT was compared with the engine's reported one.",
+            labels=["worker_set"],
+        )
+        for key, fit in sorted(self._calibration.fits.items()):
+            profile = fit.profile
+            speeds.add_metric([key, "prefill_tokens_per_s"], profile.prefill_tokens_per_s)
+            speeds.add_metric([key, "decode_base_ms"], profile.decode_base_ms)
+            speeds.add_metric([key, "decode_per_seq_ms"], profile.decode_per_seq_ms)
+            median = fit.median_error
+            if median is not None:
+                error.add_metric([key], median)
+            matched.add_metric([key], fit.requests)
+        yield speeds
+        yield error
+        yield matched

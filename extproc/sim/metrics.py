@@ -8,12 +8,14 @@ cannot drift from it); latencies are observed as requests produce them. Time met
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 #: vLLM's ``vllm:time_to_first_token_seconds`` buckets.
@@ -26,6 +28,43 @@ REQUEST_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+
+
+#: vLLM's ``vllm:inter_token_latency_seconds`` buckets.
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+class BatchHistogram(Collector):
+    """A histogram that takes many equal observations at once: one engine step gives every decoding
+    sequence the same inter-token latency, and observing them one by one would cost the simulator
+    a call per token."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float]
+    ) -> None:
+        self._name, self._documentation = name, documentation
+        self._labelnames = list(labelnames)
+        self._bounds = list(buckets)
+        #: label values -> (count per bucket, not cumulative; the +Inf bucket last), sum.
+        self._series: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}
+
+    def observe(self, labels: tuple[str, ...], value: float, count: int = 1) -> None:
+        series = self._series.get(labels)
+        if series is None:
+            series = self._series[labels] = ([0] * (len(self._bounds) + 1), [0.0])
+        series[0][bisect.bisect_left(self._bounds, value)] += count
+        series[1][0] += value * count
+
+    def collect(self) -> Iterable[Metric]:
+        family = HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        for labels, (counts, total) in sorted(self._series.items()):
+            cumulative = list(itertools.accumulate(counts))
+            bounds = [*(repr(float(b)) for b in self._bounds), "+Inf"]
+            family.add_metric(list(labels), list(zip(bounds, cumulative, strict=True)), total[0])
+        yield family
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +95,7 @@ class EngineMetrics(Protocol):
     def registry(self) -> CollectorRegistry: ...
     def observe_first_token(self, engine: str, *, ttft: float, queue_time: float) -> None: ...
     def observe_finished(self, engine: str, *, e2e: float, finish_reason: str) -> None: ...
+    def observe_decode_step(self, engine: str, *, seconds: float, sequences: int) -> None: ...
 
 
 class _EngineStateCollector(Collector):
@@ -171,6 +211,13 @@ class SimMetrics:
             buckets=REQUEST_BUCKETS,
             registry=self.registry,
         )
+        self.itl = BatchHistogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            labels,
+            ITL_BUCKETS,
+        )
+        self.registry.register(self.itl)
         self.success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -185,3 +232,7 @@ class SimMetrics:
     def observe_finished(self, engine: str, *, e2e: float, finish_reason: str) -> None:
         self.e2e.labels(self.model_name, engine).observe(e2e)
         self.success.labels(self.model_name, engine, finish_reason).inc()
+
+    def observe_decode_step(self, engine: str, *, seconds: float, sequences: int) -> None:
+        """A step that gave ``sequences`` decoding requests their next token after ``seconds``."""
+        self.itl.observe((self.model_name, engine), seconds, sequences)

@@ -24,7 +24,7 @@ from aiohttp import web
 from extproc.errors import ConfigError
 from extproc.settings import parse_host_port
 from extproc.sim.api import build_app
-from extproc.sim.engine_core import EngineCore, RequestOutput, SimRequest
+from extproc.sim.engine_core import EngineCore, RequestOutput, SimRequest, StepResult
 from extproc.sim.engine_loop import EngineLoop
 from extproc.sim.kv_publisher import KVEventPublisher
 from extproc.sim.metrics import EngineMetrics, RankStats, SimMetrics
@@ -138,6 +138,7 @@ class SimServer:
             time_scale=self.settings.time_scale,
             publish=publisher.publish if publisher is not None else None,
             on_output=functools.partial(self._observe, str(index)),
+            on_step=functools.partial(self._observe_step, str(index)),
         )
         await loop.start()
         return Rank(index, core, loop, publisher)
@@ -192,6 +193,12 @@ class SimServer:
             finish_reason=gen.finish_reason,
         )
         return Run(request_id, rank.loop.submit(request), self.tokenizer)
+
+    def _observe_step(self, engine: str, result: StepResult) -> None:
+        if result.num_decode_seqs:
+            self.metrics.observe_decode_step(
+                engine, seconds=result.duration, sequences=result.num_decode_seqs
+            )
 
     def _observe(self, engine: str, out: RequestOutput) -> None:
         if out.ttft is not None:

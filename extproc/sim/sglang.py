@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from extproc.sim.metrics import REQUEST_BUCKETS, TTFT_BUCKETS, RankStats
+from extproc.sim.metrics import ITL_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS, BatchHistogram, RankStats
 from extproc.sim.requests import SimRequestError
 
 if TYPE_CHECKING:
@@ -153,6 +153,13 @@ class SGLangMetrics:
             buckets=REQUEST_BUCKETS,
             registry=self.registry,
         )
+        self.itl = BatchHistogram(
+            "sglang:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            labels,
+            ITL_BUCKETS,
+        )
+        self.registry.register(self.itl)
         self.queue_time = Histogram(
             "sglang:queue_time_seconds",
             "Histogram of queueing time in seconds.",
@@ -167,6 +174,9 @@ class SGLangMetrics:
 
     def observe_finished(self, engine: str, *, e2e: float, finish_reason: str) -> None:
         self.e2e.labels(ENGINE_TYPE, "false", self.model_name).observe(e2e)
+
+    def observe_decode_step(self, engine: str, *, seconds: float, sequences: int) -> None:
+        self.itl.observe((ENGINE_TYPE, "false", self.model_name), seconds, sequences)
 
 
 # -- HTTP ---------------------------------------------------------------------------------------------

@@ -72,7 +72,34 @@ def test_vllm_0_10_page_falls_back_to_old_names() -> None:
         "vllm:gpu_prefix_cache_queries",
         "vllm:gpu_prefix_cache_hits",
     }
-    assert signals.bad_lines == 0  # the NaN histogram sum is not one of ours
+    # The TTFT histogram's sum is read (for calibration): a NaN one is left out, and said so.
+    assert signals.bad_lines == 1 and "time_to_first_token_seconds_sum is nan" in (
+        signals.first_problem or ""
+    )
+    assert signals.ttft_seconds_sum is None and signals.ttft_count is None
+
+
+def test_latency_totals_are_summed_over_ranks_for_calibration() -> None:
+    page = (
+        'vllm:num_requests_running{engine="0"} 1\n'
+        'vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 1.5\n'
+        'vllm:time_to_first_token_seconds_sum{engine="1",model_name="m"} 2.5\n'
+        'vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 3\n'
+        'vllm:time_to_first_token_seconds_count{engine="1",model_name="m"} 5\n'
+        'vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 3\n'
+        'vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 0.25\n'
+        'vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 40\n'
+    )
+    signals = parse_signals(page)
+    assert (signals.ttft_seconds_sum, signals.ttft_count) == (4.0, 8.0)
+    assert (signals.itl_seconds_sum, signals.itl_count) == (0.25, 40.0)
+    sglang = parse_signals(
+        "sglang:num_running_reqs 2\n"
+        'sglang_time_to_first_token_seconds_sum{model_name="m"} 0.5\n'
+        'sglang_time_to_first_token_seconds_count{model_name="m"} 2\n'
+    )
+    assert (sglang.ttft_seconds_sum, sglang.ttft_count) == (0.5, 2.0)
+    assert sglang.itl_seconds_sum is None  # a sum without its count is no total
 
 
 def test_new_names_win_when_both_are_exposed() -> None:

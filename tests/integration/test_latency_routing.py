@@ -9,21 +9,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import statistics
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 from waiting import eventually
 
+from extproc.scheduling.profiles import parse_profiles
 from extproc.serve.app import Server
 from extproc.sim.server import SimServer
+from extproc.types import WorkerSetKey
 
 from .sim_gateway import (
     LLAMA,
     delta,
     engine_settings,
+    filler_text,
     finished,
     router_settings,
     worker_set,
@@ -119,3 +124,89 @@ async def test_unknown_profile_routes_with_the_default_and_is_counted(
             'extproc_worker_set_unknown_profile{profile="h100-fast",worker_set="default/llama"} 1.0'
             in metrics
         )
+
+
+async def test_a_profile_three_times_too_fast_is_calibrated_to_the_engines_speed(
+    envoy_gateway: Callable[..., Awaitable[Any]], tmp_path: Path
+) -> None:
+    """The profiles file says prefill and steps are 3x faster than the engines run: after some traffic
+    the profile in use has the engines' speeds (the simulator's own parameters), the metrics show the
+    fitted values and the prediction error, and ``/debug/profiles`` writes them as a profiles file."""
+    async with contextlib.AsyncExitStack() as stack:
+        # Real time, as real engines run: calibration reads the engines' latencies (simulated
+        # seconds) against its own clock, and a late engine loop would stretch what they report.
+        engines = [
+            await stack.enter_async_context(SimServer(engine_settings(time_scale=1.0))) for _ in range(2)
+        ]
+        truth = engines[0].settings.engine
+        catalog = tmp_path / "catalog.yaml"
+        write_catalog(catalog, [worker_set(engines)])
+        profiles = tmp_path / "profiles.yaml"
+        profiles.write_text(
+            "profiles:\n  default:\n"
+            f"    prefill_tokens_per_s: {truth.prefill_tokens_per_s * 3}\n"
+            f"    decode_base_ms: {truth.decode_base_s * 1000 / 3}\n"
+            f"    decode_per_seq_ms: {truth.decode_per_seq_s * 1000 / 3}\n"
+            f"    max_num_batched_tokens: {truth.max_num_batched_tokens}\n"
+        )
+        settings = dataclasses.replace(
+            router_settings(catalog), policy="predicted-ttft", profiles=profiles, scrape_interval=0.05
+        )
+        server = Server(settings)
+        stack.push_async_callback(server.stop)
+        await server.start()
+        gateway = await envoy_gateway(
+            extproc_address=("127.0.0.1", server.grpc_port), pool=[("127.0.0.1", e.port) for e in engines]
+        )
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        admin = f"http://127.0.0.1:{server.admin_port}"
+
+        async def ask(i: int, words: int, max_tokens: int) -> None:
+            text = filler_text(words, seed=i)
+            body = {
+                "model": "chat",
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": max_tokens,
+            }
+            async with session.post(f"{gateway.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+
+        fits = server.calibration.fits
+        # Prefill-heavy: unique prompts of 100-1,200 words (~270-3,300 tokens), short answers.
+        for batch in range(24):
+            await asyncio.gather(
+                *(ask(4 * batch + j, 100 + ((4 * batch + j) * 397) % 1100, 8) for j in range(4))
+            )
+        await asyncio.sleep(0.2)  # a last scrape or two
+        fit = fits[WorkerSetKey("default/llama")]
+        assert fit.requests >= 64, fit.to_debug()
+        assert fit.profile.prefill_tokens_per_s == pytest.approx(truth.prefill_tokens_per_s, rel=0.2), (
+            fit.to_debug()
+        )
+        # Once calibrated, predictions are close (the errors of the first groups, 3x off, age out).
+        assert statistics.median(list(fit.errors)[-4:]) < 0.25, list(fit.errors)
+        # Decode-heavy: short prompts, long answers; between admissions the steps are pure decode.
+        for batch in range(4):
+            await asyncio.gather(*(ask(1000 + 4 * batch + j, 10, 120) for j in range(4)))
+        await asyncio.sleep(0.2)
+        fitted = fit.profile
+        assert fitted.decode_base_ms == pytest.approx(truth.decode_base_s * 1000, rel=0.3), fit.to_debug()
+        assert fitted.prefill_tokens_per_s == pytest.approx(truth.prefill_tokens_per_s, rel=0.2), (
+            fit.to_debug()
+        )
+
+        async with session.get(f"{admin}/metrics") as resp:
+            metrics = await resp.text()
+        assert (
+            'extproc_profile_calibrated{parameter="prefill_tokens_per_s",worker_set="default/llama"}'
+            in metrics
+        )
+        assert 'extproc_ttft_prediction_error_ratio{worker_set="default/llama"}' in metrics
+        async with session.get(f"{admin}/debug/profiles") as resp:
+            written = parse_profiles(yaml.safe_load(await resp.text()))
+        # Named as the worker set names its profile (which the file lacked: the default stood in).
+        back, now = written[worker_set(engines).profile], fit.profile
+        assert (back.prefill_tokens_per_s, back.decode_base_ms, back.decode_per_seq_ms) == pytest.approx(
+            (now.prefill_tokens_per_s, now.decode_base_ms, now.decode_per_seq_ms), rel=1e-4
+        )
+        assert back.max_num_batched_tokens == truth.max_num_batched_tokens

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import yaml
 
 from extproc.catalog.model import Catalog, Endpoint, WorkerSet
 from extproc.errors import ConfigError
@@ -18,6 +19,7 @@ from extproc.scheduling.profiles import (
     parse_profile,
     parse_profiles,
     profile_lookup,
+    render_profiles,
 )
 from extproc.sim.engine_core import EngineParams
 from extproc.types import EndpointAddress, WorkerSetKey
@@ -58,8 +60,6 @@ def test_step_cost_caps_the_batch_at_max_num_seqs() -> None:
 
 
 def test_parse_profiles_with_defaults_for_omitted_keys() -> None:
-    import yaml
-
     profiles = parse_profiles(yaml.safe_load(GOOD))
     assert set(profiles) == {DEFAULT_PROFILE, "h100", "small"}
     h100 = profiles["h100"]
@@ -250,3 +250,15 @@ def test_profile_lookup_maps_endpoints_through_their_worker_set(tmp_path: Path) 
     assert profile_of(ep(2, odd)) == DEFAULT
     assert profile_of(ep(3, WorkerSetKey("ns/gone"))) == DEFAULT
     assert unknown == ["a100"]
+
+
+def test_rendered_profiles_read_back_to_the_same_profiles() -> None:
+    """What ``/debug/profiles`` writes is a valid ``--profiles`` file holding exactly those profiles."""
+    profiles = {
+        "h100-llama3-8b": Profile(prefill_tokens_per_s=15_955.25, decode_base_ms=6.125, queue_limit=None),
+        "a100:small": Profile(max_num_seqs=64, max_num_batched_tokens=2048, queue_limit=8),
+    }
+    text = render_profiles(profiles, {"h100-llama3-8b": "fitted on default/llama\nsecond line"})
+    assert "  # fitted on default/llama\n  # second line\n  h100-llama3-8b:\n" in text
+    read = parse_profiles(yaml.safe_load(text))
+    assert {name: read[name] for name in profiles} == profiles

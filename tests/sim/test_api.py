@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import aiohttp
@@ -178,6 +179,28 @@ async def test_prefix_hits_show_in_metrics(sim: StartSim, http: aiohttp.ClientSe
     assert 'vllm:time_to_first_token_seconds_count{engine="0",model_name="llama"} 2.0' in text
     assert 'vllm:num_requests_running{engine="0",model_name="llama"} 0.0' in text
     assert 'block_size="16"' in text and "vllm:cache_config_info" in text
+
+
+async def test_every_token_after_the_first_counts_one_inter_token_latency(
+    sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    """vllm:inter_token_latency_seconds: one sample per decoded token after the first, each a
+    decode step's simulated length (the engine's step cost with one sequence decoding)."""
+    server = await sim(served_model_names=("llama",))
+    status, answer = await post(http, server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 6})
+    assert status == 200, answer
+    async with http.get(url(server, "/metrics")) as resp:
+        text = await resp.text()
+    count = re.search(
+        r'^vllm:inter_token_latency_seconds_count\{engine="0",model_name="llama"\} (\S+)$', text, re.M
+    )
+    total = re.search(
+        r'^vllm:inter_token_latency_seconds_sum\{engine="0",model_name="llama"\} (\S+)$', text, re.M
+    )
+    assert count is not None and total is not None, text
+    assert float(count.group(1)) == 5
+    step = server.settings.engine.decode_base_s + server.settings.engine.decode_per_seq_s
+    assert float(total.group(1)) == pytest.approx(5 * step)
 
 
 @pytest.mark.parametrize(
