@@ -45,6 +45,8 @@ WRONG = (
     ("3x pessimistic", 3.0, 3.0),
     ("3x skewed", 1 / 3, 3.0),
 )
+#: Seeds of the true profile's runs (the first is the wrong profiles' seed too).
+TRUTH_SEEDS = (1, 2, 3)
 #: Width of the error timeline's windows, simulated seconds.
 WINDOW_S = 60.0
 #: Within this long the calibrated arms' median error must be at most TARGET_ERROR.
@@ -96,13 +98,17 @@ def play(
 
 
 def judge(arms: list[dict[str, Any]]) -> dict[str, Any]:
-    truth = arms[0]["summary"]
+    """Each arm against the true profile's runs (one per seed): the nearest of them, so that a
+    difference inside the truth's own seed-to-seed spread is not called calibration's doing."""
+    truths = [a["summary"] for a in arms if a["truth"]]
     verdicts = []
-    for arm in arms[1:]:
+    for arm in arms:
+        if arm["truth"]:
+            continue
         s = arm["summary"]
-        hit = s["hit_rate"] / truth["hit_rate"] - 1 if truth["hit_rate"] else 0.0
-        ttft = s["ttft_mean_s"] / truth["ttft_mean_s"] - 1
-        early = [w for w in arm["error_timeline"] if w["from_s"] + WINDOW_S <= TARGET_WITHIN_S + WINDOW_S]
+        hit = min((s["hit_rate"] / t["hit_rate"] - 1 for t in truths), key=abs)
+        ttft = min((s["ttft_mean_s"] / t["ttft_mean_s"] - 1 for t in truths), key=abs)
+        early = [w for w in arm["error_timeline"] if w["from_s"] < TARGET_WITHIN_S]
         reached = next((w["from_s"] + WINDOW_S for w in early if w["median_error"] <= TARGET_ERROR), None)
         verdicts.append(
             {
@@ -114,6 +120,7 @@ def judge(arms: list[dict[str, Any]]) -> dict[str, Any]:
                 "passed": (
                     abs(hit) <= TARGET_CLOSE
                     and abs(ttft) <= TARGET_CLOSE
+                    and reached is not None
                     and (arm["median_error_after_target_s"] or 1.0) <= TARGET_ERROR
                 )
                 if arm["calibrated"]
@@ -141,7 +148,8 @@ def report(results: dict[str, Any]) -> str:
         f"**{'PASSED' if results['judged']['passed'] else 'FAILED'}.** Targets (issue 15): calibrated "
         f"arms reach a median prediction error <= {TARGET_ERROR:.0%} within {TARGET_WITHIN_S:.0f} "
         f"simulated s (and stay there), and their hit rate and mean TTFT come within "
-        f"{TARGET_CLOSE:.0%} of the true profile's run.",
+        f"{TARGET_CLOSE:.0%} of a run with the true profile (the nearest of {len(TRUTH_SEEDS)} seeds: "
+        "tie-breaks alone move the figures that much).",
         "",
         "| arm | hit rate | mean TTFT s | p99 TTFT s | vs truth: hit / mean TTFT "
         "| median error: 1st min / 2nd min / after | fitted prefill tok/s, step base ms |",
@@ -183,16 +191,22 @@ def main() -> int:
         p.error(f"no trace at {args.trace}: pass --trace PATH (a Mooncake-format .jsonl)")
     rows = load(args.trace, requests=args.requests)
     engine = {"block_size": 16, "num_gpu_blocks": 24_000, "max_model_len": 131_072}
-    cfg = Config(8, 1.0, 512, engine)
+    cfg = Config(8, 1.0, 512, engine, seed=TRUTH_SEEDS[0])
     vocab = shipped_tokenizer().vocab_size
     truth = true_profile(EngineParams(**engine))
-    arms = [play("true profile", truth, False, rows, cfg, vocab)]
+    # The true profile under several seeds: how far the figures move when nothing but tie-breaks
+    # change, the yardstick for "within 5%".
+    arms = []
+    for seed in TRUTH_SEEDS:
+        logging.warning("arm true profile, seed %d", seed)
+        seeded = Config(cfg.engines, cfg.time_scale, cfg.output_cap, engine, seed=seed)
+        arms.append(play(f"true profile, seed {seed}", truth, False, rows, seeded, vocab) | {"truth": True})
     for name, prefill_scale, step_scale in WRONG:
         wrong = scaled(truth, prefill_scale, step_scale)
         for calibrate in (False, True):
             label = f"{name}, {'calibrated' if calibrate else 'as written'}"
             logging.warning("arm %s", label)
-            arms.append(play(label, wrong, calibrate, rows, cfg, vocab))
+            arms.append(play(label, wrong, calibrate, rows, cfg, vocab) | {"truth": False})
     results = {
         "machine": machine(),
         "config": {
