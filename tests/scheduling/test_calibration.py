@@ -214,3 +214,18 @@ def test_idle_endpoints_and_their_sets_are_forgotten() -> None:
     cal.scraped(B, ttft(0.0, 0))
     assert SET not in cal.fits
     assert cal.debug_state() == {}
+
+
+def test_fitted_profiles_are_named_as_their_worker_sets_name_them() -> None:
+    """Sets sharing a profile name share one entry, from the set with the most matched requests."""
+    busy, quiet, other = Fit(CONFIGURED), Fit(CONFIGURED), Fit(CONFIGURED)
+    feed(busy, 2.0, 1.0, 40, random.Random(7))
+    feed(quiet, 4.0, 1.0, 3, random.Random(8))
+    names = {WorkerSetKey("a/busy"): "h100", WorkerSetKey("a/quiet"): "h100", WorkerSetKey("b/x"): "a100"}
+    fits = {WorkerSetKey("a/busy"): busy, WorkerSetKey("a/quiet"): quiet, WorkerSetKey("b/x"): other}
+    profiles, comments = calibration.fitted_profiles(fits, names.__getitem__)
+    assert list(profiles) == ["a100", "h100"]
+    assert profiles["h100"] is busy.profile
+    assert "worker set a/busy: 320 requests matched" in comments["h100"]
+    assert "also used by a/quiet" in comments["h100"]
+    assert "too few to move the profile yet" in comments["a100"]
