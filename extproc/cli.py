@@ -108,6 +108,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "(needs --scrape-interval > 0; on)",
     )
     p.add_argument(
+        "--malloc-trim-interval",
+        type=float,
+        default=60.0,
+        help="seconds between malloc_trim calls giving freed heap pages back to the system; 0 = never (60)",
+    )
+    p.add_argument(
         "--scrape-interval",
         type=float,
         default=1.0,
@@ -201,6 +207,7 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
         policy=args.policy,
         profiles=args.profiles,
         calibrate=args.calibrate,
+        malloc_trim_interval=args.malloc_trim_interval,
         scrape_interval=args.scrape_interval,
         decision_headers=args.decision_headers,
     )

@@ -222,6 +222,8 @@ class ServeSettings:
     #: Fit each worker set's prefill rate and step cost to the TTFTs its engines report (needs
     #: scraping); False: the profiles are used as written.
     calibrate: bool = True
+    #: Seconds between calls to glibc's malloc_trim (freed heap pages back to the system); 0 = never.
+    malloc_trim_interval: float = 60.0
     #: Seconds between scrapes of every endpoint's Prometheus metrics; 0 turns scraping off.
     scrape_interval: float = 1.0
     #: Add ``x-extproc-*`` headers describing the decision to client responses. Off by default:
@@ -242,6 +244,10 @@ class ServeSettings:
             raise ConfigError(f"--max-fallbacks must be 0 or more, got {self.max_fallbacks}")
         if self.drain_seconds < 0:
             raise ConfigError(f"--drain-seconds must be 0 or more, got {self.drain_seconds}")
+        if self.malloc_trim_interval < 0:
+            raise ConfigError(
+                f"--malloc-trim-interval must be 0 (off) or more seconds, got {self.malloc_trim_interval}"
+            )
         if self.scrape_interval < 0:
             raise ConfigError(
                 f"--scrape-interval must be 0 (off) or more seconds, got {self.scrape_interval}"

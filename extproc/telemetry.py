@@ -97,6 +97,17 @@ class Metrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
             registry=self.registry,
         )
+        self.malloc_trimmed = Counter(
+            "extproc_malloc_trimmed_bytes_total",
+            "Resident memory given back to the system by the periodic malloc_trim (--malloc-trim-interval).",
+            registry=self.registry,
+        )
+        self.malloc_trim_seconds = Histogram(
+            "extproc_malloc_trim_seconds",
+            "How long one malloc_trim took (in a worker thread; it holds glibc's arena locks meanwhile).",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05),
+            registry=self.registry,
+        )
         self.upstream_failures = Counter(
             "extproc_upstream_failures_total",
             "Routed requests whose pick failed, as Envoy's response attributes tell: connect_failed "

@@ -29,6 +29,7 @@ from extproc.scheduling.registry import DEFAULT_POLICY, build_policy
 from extproc.scheduling.scheduler import Scheduler
 from extproc.serve.collectors import CalibrationCollector, CatalogCollector, UnknownProfileCollector
 from extproc.serve.loop_lag import watch_loop_lag
+from extproc.serve.memory import trim_forever
 from extproc.serve.observed import observe_worker_sets
 from extproc.serve.prefix_routing import PrefixRouting
 from extproc.server.budget import BodyBudget
@@ -96,6 +97,7 @@ class Server:
         self._watch: asyncio.Task[None] | None = None
         self._profile_poll: asyncio.Task[None] | None = None
         self._loop_lag: asyncio.Task[None] | None = None
+        self._trim: asyncio.Task[None] | None = None
         #: The GIL switch interval before start changed it (restored by stop).
         self._switch_interval: float | None = None
         self._started = time.time()
@@ -120,6 +122,15 @@ class Server:
             raise
         self._watch = asyncio.create_task(self.source.watch(self._publish), name="catalog-source")
         self._loop_lag = asyncio.create_task(watch_loop_lag(self.metrics.loop_lag), name="loop-lag")
+        if self.settings.malloc_trim_interval > 0:
+            self._trim = asyncio.create_task(
+                trim_forever(
+                    self.settings.malloc_trim_interval,
+                    self.metrics.malloc_trimmed,
+                    self.metrics.malloc_trim_seconds,
+                ),
+                name="malloc-trim",
+            )
         pool = self.prefix.tokenize_pool
         if pool is not None and not pool.in_processes:
             # A tokenizing thread rendering a template holds the GIL for up to the switch interval
@@ -280,7 +291,7 @@ class Server:
 
     async def stop(self) -> None:
         """Stop taking streams, let open ones finish for ``drain_seconds``, then close."""
-        for task in (self._watch, self._profile_poll, self._loop_lag):
+        for task in (self._watch, self._profile_poll, self._loop_lag, self._trim):
             await cancel_and_wait(task)
         if self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
