@@ -32,7 +32,8 @@ from bench.machine import machine, provenance, record
 from bench.replay.offline import OfflineReplay
 from bench.replay.run import TRACE, Arm, Config, summarize, true_profile
 from bench.replay.trace import load
-from extproc.scheduling.calibration import Calibration, scaled
+from extproc.scheduling.calibration import Calibration
+from extproc.scheduling.fit import scaled
 from extproc.scheduling.predictor import PredictedTTFT
 from extproc.scheduling.profiles import Profile
 from extproc.sim.engine_core import EngineParams

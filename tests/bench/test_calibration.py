@@ -13,7 +13,7 @@ import pytest
 from bench.calibration import play
 from bench.replay.run import Config, true_profile
 from bench.replay.trace import TraceRequest
-from extproc.scheduling.calibration import scaled
+from extproc.scheduling.fit import scaled
 from extproc.sim.engine_core import EngineParams
 
 VOCAB = 5000

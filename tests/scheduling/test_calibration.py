@@ -9,7 +9,8 @@ import pytest
 
 from extproc.catalog.model import Endpoint
 from extproc.scheduling import calibration
-from extproc.scheduling.calibration import BOUND, MAX_MOVE, MIN_REQUESTS, Calibration, Fit, scaled
+from extproc.scheduling.calibration import Calibration
+from extproc.scheduling.fit import BOUND, MAX_MOVE, MIN_REQUESTS, Fit, scaled
 from extproc.scheduling.predictor import Prediction
 from extproc.scheduling.profiles import Profile
 from extproc.scheduling.signals import EngineSignals
