@@ -169,7 +169,7 @@ class PredictedTTFT:
         if not ordered:
             return Ranking([])
         best = ordered[0][0]
-        if self.on_pick is not None:
+        if self.on_pick is not None and not best.saturated:  # a shed request is sent nowhere
             self.on_pick(ordered[0][1].endpoint, best)
         return Ranking(
             candidates=[c for _, c in ordered],

@@ -202,6 +202,20 @@ def test_saturated_endpoints_rank_last_and_all_saturated_sheds() -> None:
     assert len(ranking.candidates) == 2  # still ranked, for a caller that does not shed
 
 
+def test_the_pick_is_told_to_calibration_unless_the_request_is_shed() -> None:
+    p = replace(DEFAULT, max_num_seqs=8, max_num_batched_tokens=1024, queue_limit=2)
+    told: list[tuple[str, float]] = []
+    chosen = policy(p)
+    chosen.on_pick = lambda endpoint, prediction: told.append((endpoint.ip, prediction.ttft_s))
+    hot = cand(1, in_flight=10, cached=3000, sig=signals(8, 2))
+    ranking = chosen.rank(facts(3100), [hot, cand(2, in_flight=9, sig=signals(8, 1))], random.Random(0))
+    assert told == [
+        ("10.0.0.2", pytest.approx(float(ranking.notes["x-extproc-predicted-ttft-ms"]) / 1000, abs=1e-4))
+    ]
+    assert chosen.rank(facts(3100), [hot, cand(2, in_flight=11, sig=signals(8, 3))], random.Random(0)).shed
+    assert len(told) == 1  # a shed request goes nowhere: no first token will ever match it
+
+
 def test_without_a_queue_limit_nothing_is_saturated() -> None:
     deep = cand(1, in_flight=5000, sig=signals(256, 4744))
     assert not predict(facts(100), deep, DEFAULT).saturated
