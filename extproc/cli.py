@@ -20,6 +20,7 @@ import uvloop
 
 from extproc import __version__
 from extproc.errors import ConfigError, ExtprocError
+from extproc.fetch import fetch_bounded
 from extproc.scheduling.registry import DEFAULT_POLICY, POLICIES
 from extproc.settings import (
     DEFAULT_ADMIN_LISTEN,
@@ -260,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: A fitted-profiles page is a few hundred bytes per profile name; past this something else answered.
+_MAX_PROFILES_BYTES = 4 * 1024 * 1024
+
+
 def _fitted_profiles_parser(sub: Any) -> None:
     p = sub.add_parser(
         "fitted-profiles",
@@ -278,18 +283,15 @@ async def _run_fitted_profiles(args: argparse.Namespace, _stop: asyncio.Event) -
     host, port = parse_host_port(args.admin, what="--admin")
     url = f"http://{host}:{port}/debug/profiles"
     try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session,
-            session.get(url) as resp,
-        ):
-            text = await resp.text()
-            if resp.status != 200:
-                raise ExtprocError(f"{url} answered {resp.status}: {text.strip()[:200]}")
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            body = await fetch_bounded(
+                session, url, accept="application/yaml", max_bytes=_MAX_PROFILES_BYTES, error=ExtprocError
+            )
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise ExtprocError(
             f"cannot read {url}: {exc or type(exc).__name__} (is serve running there?)"
         ) from exc
-    sys.stdout.write(text)
+    sys.stdout.write(body.decode())
 
 
 def _install_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:

@@ -187,10 +187,10 @@ class OfflineReplay:
         record = Sent(request.index, address)
         record.router_cached = decision.prefix.cached_tokens.get(address, 0)
         record.decide_s = time.perf_counter() - started
-        predicted_ms = decision.notes.get("x-extproc-predicted-ttft-ms")
-        record.predicted_ttft_s = None if predicted_ms is None else float(predicted_ms) / 1000
         self.records.append(record)
         tokens, seconds = decision.prefill
+        # The policy's own prediction, unrounded; (0, 0.0) from a policy that predicts nothing.
+        record.predicted_ttft_s = seconds or None
         lease = self.scheduler.acquire(address, prefill_tokens=tokens, prefill_seconds=seconds)
         if self.arm.active is not None:
             self.arm.active.start(request.index, address, request.input_length, record.router_cached)
