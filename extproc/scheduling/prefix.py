@@ -34,10 +34,12 @@ from extproc.kvindex.approx import CHARS_PER_TOKEN, ApproxPrefixIndex
 from extproc.kvindex.events import Source
 from extproc.kvindex.index import PrefixIndex
 from extproc.kvindex.keys import block_keys, namespace_seed
-from extproc.openai import InferenceRequest
+from extproc.openai import ChatPrompt, InferenceRequest, Prompt
+from extproc.scheduling.path_keys import path_block_keys
 from extproc.telemetry import LogLimiter
 from extproc.tokenize.pool import TokenizePool
 from extproc.tokenize.registry import ModelTokenizer, TokenizerRegistry
+from extproc.tokenize.segments import SegmentPath
 from extproc.tokenize.workers import AFFINITY_BYTES, WorkerFailed, body_ids
 from extproc.types import EndpointAddress
 
@@ -45,8 +47,14 @@ log = logging.getLogger(__name__)
 
 PrefixMode = Literal["precise", "approximate", "none"]
 #: Prompts shorter than this (characters) are tokenized on the loop even with a pool: ~1,000
-#: tokens take well under a millisecond, less than a round trip through a worker thread.
+#: tokens take well under a millisecond, less than a round trip through a worker thread. The same
+#: holds for what a prompt adds to its known prefix (see :mod:`extproc.tokenize.segments`).
 INLINE_PROMPT_CHARS = 4096
+#: Chat prompts up to this many messages and body bytes are rendered and looked up in the segment
+#: tree on the loop (a few hundred microseconds: 80 messages, 57 kB, ~0.5 ms); only what they add is
+#: encoded in a worker. Larger ones are rendered in a worker too, so no body can stall the loop.
+INLINE_RENDER_MESSAGES = 256
+INLINE_RENDER_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +85,8 @@ class Tokenized:
     ids: Sequence[int] | None
     #: The ids' block keys, per block size, where the worker computed them too (others: at match).
     keys: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    #: The prompt's segments in the tree, when it walked one: block keys then come from there.
+    path: SegmentPath | None = None
 
 
 @dataclass(slots=True)
@@ -139,7 +149,21 @@ class PrefixScorer:
             prompt = request.read_prompt()
             if prompt is None:
                 return Tokenized(model, None)
-            return Tokenized(model, await self.pool.run(lambda: tokenizer.prompt_ids(prompt)))
+            if not _renders_inline(prompt, request):
+                whole = await self.pool.run(lambda: _tokenize(model, tokenizer, prompt))
+                return whole if whole is not None else Tokenized(model, None)
+            plan = tokenizer.prompt_plan(prompt)
+            if plan is None:
+                return Tokenized(model, await self.pool.run(lambda: tokenizer.prompt_ids(prompt)))
+            if plan.new_chars < INLINE_PROMPT_CHARS:
+                encoded = plan.encode()
+            else:
+                encoded_in_pool = await self.pool.run(plan.encode)
+                if encoded_in_pool is None:
+                    return Tokenized(model, None)
+                encoded = encoded_in_pool
+            path = plan.finish(encoded)
+            return Tokenized(model, path.ids(), path=path)
         except Exception as exc:
             self._tokenize_failed(model, exc)
             return Tokenized(model, None)
@@ -182,16 +206,13 @@ class PrefixScorer:
         cached: dict[EndpointAddress, int] = {}
         ranks: dict[EndpointAddress, int] = {}
         lower: dict[EndpointAddress, int] = {}
-        tokens: Sequence[int] | None = None
-        known_keys: Mapping[int, Sequence[int]] = {}
-        if precise and tokenized is not None and tokenized.model == route.upstream_model:
-            tokens, known_keys = tokenized.ids, tokenized.keys
-        elif precise:
-            tokens = self._tokens(route.upstream_model, request)
-        if tokens is not None:
+        if precise and (tokenized is None or tokenized.model != route.upstream_model):
+            tokenized = self._tokens(route.upstream_model, request)
+        tokens = None if not precise or tokenized is None else tokenized.ids
+        if tokens is not None and tokenized is not None:
             mode = "precise"
             seed = namespace_seed(route.upstream_model, request.cache_salt)
-            self._match_precise(catalog, seed, tokens, known_keys, precise, cached, ranks, lower)
+            self._match_precise(catalog, seed, tokenized, precise, cached, ranks, lower)
         else:
             rest = list(candidates)
         keys: list[int] = []
@@ -216,13 +237,13 @@ class PrefixScorer:
         tokenizer = self.tokenizers.get(model)
         return None if tokenizer is None or model in self.blocked() else tokenizer
 
-    def _tokens(self, model: str, request: InferenceRequest) -> list[int] | None:
+    def _tokens(self, model: str, request: InferenceRequest) -> Tokenized | None:
         tokenizer = self._tokenizer(model)
         if tokenizer is None:
             return None
         try:
             prompt = request.read_prompt()
-            return None if prompt is None else tokenizer.prompt_ids(prompt)
+            return None if prompt is None else _tokenize(model, tokenizer, prompt)
         except Exception as exc:
             self._tokenize_failed(model, exc)
         return None
@@ -240,8 +261,7 @@ class PrefixScorer:
         self,
         catalog: Catalog,
         seed: int,
-        tokens: Sequence[int],
-        known_keys: Mapping[int, Sequence[int]],
+        tokenized: Tokenized,
         endpoints: list[Endpoint],
         cached: dict[EndpointAddress, int],
         ranks: dict[EndpointAddress, int],
@@ -266,9 +286,12 @@ class PrefixScorer:
         # Per endpoint, its best rank: most GPU-cached tokens, then the furthest reach on any tier.
         best: dict[EndpointAddress, tuple[int, int, int]] = {}
         for block_size, sources in groups.items():
-            keys = known_keys.get(block_size)
-            if keys is None:
-                token_tuple = token_tuple or tuple(tokens)
+            keys = tokenized.keys.get(block_size)
+            if keys is None and tokenized.path is not None:
+                keys = path_block_keys(tokenized.path, block_size, seed)
+            elif keys is None:
+                assert tokenized.ids is not None
+                token_tuple = token_tuple or tuple(tokenized.ids)
                 keys = block_keys(token_tuple, block_size, seed)
             gpu = self.index.match(keys, sources)
             # A second walk only for the sources that offload (usually all of a fleet, or none).
@@ -286,6 +309,25 @@ class PrefixScorer:
                 ranks[address] = rank
             if reach > held:
                 lower[address] = reach - held
+
+
+def _tokenize(model: str, tokenizer: ModelTokenizer, prompt: Prompt) -> Tokenized:
+    """The prompt's ids, and its path in the segment tree when it has one (all in this thread)."""
+    plan = tokenizer.prompt_plan(prompt)
+    if plan is None:
+        return Tokenized(model, tokenizer.prompt_ids(prompt))
+    path = plan.finish(plan.encode())
+    return Tokenized(model, path.ids(), path=path)
+
+
+def _renders_inline(prompt: Prompt, request: InferenceRequest) -> bool:
+    """True when rendering ``prompt`` on the loop costs well under a millisecond (see
+    INLINE_RENDER_MESSAGES)."""
+    return (
+        isinstance(prompt, ChatPrompt)
+        and len(prompt.messages) <= INLINE_RENDER_MESSAGES
+        and len(request.body) <= INLINE_RENDER_BYTES
+    )
 
 
 def _block_sizes(catalog: Catalog | None, route: Route) -> tuple[int, ...]:

@@ -40,7 +40,9 @@ def prepare_messages(
 
 def _prepare_message(index: int, message: Any, content_format: ContentFormat) -> dict[str, Any]:
     where = f"messages[{index}]"
-    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+    # dict first: the parsed JSON's type, and an ABC check costs a microsecond per message.
+    is_mapping = type(message) is dict or isinstance(message, Mapping)
+    if not is_mapping or not isinstance(message.get("role"), str):
         raise BadRequest(f"{where} must be an object with a string 'role'", param=where)
     role: str = message["role"]
     texts = _texts(message.get("content"), where)

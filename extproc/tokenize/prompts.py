@@ -15,7 +15,8 @@ from __future__ import annotations
 from extproc.errors import BadRequest
 from extproc.openai import ChatPrompt, CompletionPrompt
 from extproc.tokenize.chat_template import ChatTemplate
-from extproc.tokenize.pipeline import tokenize_chat
+from extproc.tokenize.pipeline import render_chat
+from extproc.tokenize.segments import EncodePlan
 from extproc.tokenize.tokenizer import Tokenizer
 
 
@@ -33,9 +34,9 @@ def completion_prompt_ids(
     return list(ids)
 
 
-def chat_prompt_ids(prompt: ChatPrompt, tokenizer: Tokenizer, template: ChatTemplate) -> list[int]:
-    """The token ids vLLM's chat path produces: template render, then encode without special tokens."""
-    return tokenize_chat(
+def chat_prompt_text(prompt: ChatPrompt, tokenizer: Tokenizer, template: ChatTemplate) -> str:
+    """The prompt text vLLM's chat path renders (encoded without special tokens unless asked)."""
+    return render_chat(
         tokenizer,
         template,
         prompt.messages,
@@ -43,5 +44,19 @@ def chat_prompt_ids(prompt: ChatPrompt, tokenizer: Tokenizer, template: ChatTemp
         continue_final_message=prompt.continue_final_message,
         tools=prompt.tools,
         chat_template_kwargs=prompt.chat_template_kwargs,
-        add_special_tokens=prompt.add_special_tokens,
     )
+
+
+def chat_prompt_ids(prompt: ChatPrompt, tokenizer: Tokenizer, template: ChatTemplate) -> list[int]:
+    """The token ids vLLM's chat path produces: template render, then encode without special tokens."""
+    text = chat_prompt_text(prompt, tokenizer, template)
+    return tokenizer.encode(text, add_special_tokens=prompt.add_special_tokens)
+
+
+def chat_prompt_plan(prompt: ChatPrompt, tokenizer: Tokenizer, template: ChatTemplate) -> EncodePlan | None:
+    """:func:`chat_prompt_ids` in steps, from the prompt's known prefix (see
+    :mod:`extproc.tokenize.segments`); None when the tokenizer cannot (no segment cache, or the
+    request asks for special tokens)."""
+    if prompt.add_special_tokens or tokenizer.segment_cache is None:
+        return None
+    return tokenizer.plan_encode(chat_prompt_text(prompt, tokenizer, template))

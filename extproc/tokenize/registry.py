@@ -16,7 +16,8 @@ from extproc.errors import ConfigError
 from extproc.openai import ChatPrompt, Prompt
 from extproc.settings import TokenizerSpec
 from extproc.tokenize.chat_template import ChatTemplate
-from extproc.tokenize.prompts import chat_prompt_ids, completion_prompt_ids
+from extproc.tokenize.prompts import chat_prompt_ids, chat_prompt_plan, completion_prompt_ids
+from extproc.tokenize.segments import EncodePlan
 from extproc.tokenize.shipped import is_template_name, shipped_template, shipped_tokenizer_dir
 from extproc.tokenize.tokenizer import Tokenizer
 
@@ -42,6 +43,13 @@ class ModelTokenizer:
                 return None
             return chat_prompt_ids(prompt, self.tokenizer, self.template)
         return completion_prompt_ids(prompt, self.tokenizer)
+
+    def prompt_plan(self, prompt: Prompt) -> EncodePlan | None:
+        """The prompt's encoding in steps, from its known prefix; None when only :meth:`prompt_ids`
+        can (not a chat prompt, no chat template, or no segment cache). Renders the template here."""
+        if not isinstance(prompt, ChatPrompt) or self.template is None:
+            return None
+        return chat_prompt_plan(prompt, self.tokenizer, self.template)
 
 
 class TokenizerRegistry:

@@ -1,4 +1,4 @@
-"""Incremental encoding: a prompt cut at its added tokens, each piece's ids remembered.
+"""Incremental encoding: a prompt cut at its added tokens, each prefix's ids remembered in a tree.
 
 A Hugging Face tokenizer first splits its input at the added tokens (``<|eot_id|>``,
 ``<|im_start|>``...), then normalizes, pre-tokenizes and runs BPE on each piece between them on
@@ -8,10 +8,18 @@ around it (``lstrip``/``rstrip``), matches whole words only, or is matched after
 :func:`splitter_for` checks that, for each tokenizer, once; otherwise there is no splitter and the
 whole text is encoded as before.
 
-A chat template writes each message between added tokens, so a conversation's next turn repeats
-every earlier piece: :class:`SegmentCache` keeps the pieces' ids, least recently used out past a
-byte budget, and only the new pieces are encoded (together, in one ``encode_batch`` call, which
-uses every core and releases the GIL). Safe from several threads.
+Here a prompt is cut into *segments*: some text, then the run of added tokens that ends it. A chat
+template writes each message between added tokens, so a conversation's next turn repeats every
+earlier segment, in the same order. :class:`SegmentCache` keeps them as a tree (a segment is known
+under the segments before it), so a prompt's known prefix is found segment by segment, only the
+new segments are encoded (together, in one ``encode_batch`` call, which releases the GIL), and what
+is derived from a prefix's ids (its block keys) can be remembered on its last segment
+(:meth:`SegmentCache.remember`). Least recently used segments go out past a byte budget. Safe from
+several threads.
+
+Encoding runs in two steps, so the new segments can be encoded elsewhere (a worker thread) while
+the walk and the bookkeeping stay cheap: :meth:`SegmentCache.plan` finds the known prefix and what
+is missing, :meth:`EncodePlan.finish` adds the new segments once encoded.
 """
 
 from __future__ import annotations
@@ -21,35 +29,62 @@ import sys
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any
 
 import tokenizers
 
-#: Pieces shorter than this are encoded each time (cheaper than remembering them).
-MIN_CACHED_CHARS = 32
-#: What one cached piece costs besides its text and ids objects (its dict slot and order link).
-_ENTRY_OVERHEAD = 150
+#: Segments shorter than this join the next one: a chat template's role names ("user") would
+#: otherwise be segments of their own, and every segment costs a step of the walk.
+MIN_SEGMENT_CHARS = 32
+#: What one remembered segment costs besides its text and ids (its node, key and order link).
+_ENTRY_OVERHEAD = 200
+#: What one derived value costs besides the sizes its producer reports (a dict slot, a tuple).
+_DERIVED_OVERHEAD = 120
+
+EncodeBatch = Callable[[list[str]], Sequence[Sequence[int]]]
 
 
 @dataclass(frozen=True, slots=True)
 class Splitter:
-    """Cuts text at added tokens: ``pattern`` matches any of them, ``ids`` maps each to its id."""
+    """Cuts text at added tokens: ``pattern`` matches any of them, ``ids`` maps each to its id;
+    ``capture`` is ``pattern`` as a group, for ``re.split``."""
 
     pattern: re.Pattern[str]
+    capture: re.Pattern[str]
     ids: dict[str, int]
+
+    def segments(self, text: str) -> list[str]:
+        """``text`` cut after runs of added tokens, each part holding at least MIN_SEGMENT_CHARS
+        (but the last): joined, the text."""
+        parts = self.capture.split(text)  # text, token, text, token, ..., text (in C: no loop here)
+        out: list[str] = []
+        current = ""
+        for i in range(0, len(parts) - 1, 2):
+            piece = parts[i]
+            if piece and len(current) >= MIN_SEGMENT_CHARS:
+                out.append(current)
+                current = piece + parts[i + 1]
+            else:
+                current += piece + parts[i + 1]
+        if parts[-1] and len(current) >= MIN_SEGMENT_CHARS:
+            out.append(current)
+            current = ""
+        current += parts[-1]
+        if current:
+            out.append(current)
+        return out
 
     def pieces(self, text: str) -> list[str | int]:
         """The text between added tokens (str, never empty) and the added tokens' ids (int), in order."""
         out: list[str | int] = []
-        position = 0
-        for match in self.pattern.finditer(text):
-            if match.start() > position:
-                out.append(text[position : match.start()])
-            out.append(self.ids[match.group()])
-            position = match.end()
-        if position < len(text):
-            out.append(text[position:])
+        for i, part in enumerate(self.capture.split(text)):
+            if i % 2:
+                out.append(self.ids[part])
+            elif part:
+                out.append(part)
         return out
 
 
@@ -62,14 +97,39 @@ def splitter_for(backend: tokenizers.Tokenizer) -> Splitter | None:
         if token.lstrip or token.rstrip or token.single_word or token.normalized:
             return None
     ids = {token.content: token_id for token_id, token in added.items()}
-    # Longest first: at one position the longest added token wins, as the library's matcher does.
-    alternatives = sorted(ids, key=len, reverse=True)
-    return Splitter(re.compile("|".join(re.escape(a) for a in alternatives)), ids)
+    alternatives = trie_pattern(ids)
+    return Splitter(re.compile(alternatives), re.compile(f"({alternatives})"), ids)
+
+
+def trie_pattern(words: Iterable[str]) -> str:
+    """A regex matching any of ``words``, the longest one where several match at one position (as
+    the library's matcher does), written as their trie.
+
+    A flat alternation ``a|b|...`` tries every word in turn at each candidate position: with Llama
+    3's 256 ``<|reserved_special_token_N|>`` that made cutting a 200-message prompt cost 0.4 ms, the
+    trie 20 times less.
+    """
+    trie: dict[str, Any] = {}
+    for word in words:
+        node = trie
+        for char in word:
+            node = node.setdefault(char, {})
+        node[""] = {}  # a word ends here
+
+    def emit(node: dict[str, Any]) -> str:
+        branches = [re.escape(char) + emit(child) for char, child in sorted(node.items()) if char]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        # Where a word ends and longer ones go on, the optional part is greedy: longest first.
+        return f"(?:{body})?" if "" in node else body
+
+    return emit(trie)
 
 
 @dataclass(slots=True)
 class CacheStats:
-    """Lookups of pieces long enough to remember (shorter ones are simply encoded)."""
+    """Segments looked up: a hit is one found under the same prefix, not encoded again."""
 
     hits: int = 0
     misses: int = 0
@@ -82,8 +142,72 @@ class CacheStats:
         self.evictions += other.evictions
 
 
+class Segment:
+    """One remembered segment under its prefix: its ids, and values derived from the whole prefix
+    up to it (see :meth:`SegmentCache.remember`)."""
+
+    __slots__ = ("cost", "derived", "ids", "live", "serial")
+
+    def __init__(self, serial: int, ids: array[int], cost: int) -> None:
+        self.serial = serial
+        self.ids = ids
+        self.cost = cost
+        #: False once evicted: it is then only held by the prompts that walked through it.
+        self.live = False
+        self.derived: dict[Hashable, object] | None = None
+
+
+#: The serial of the empty prefix, the tree's root.
+ROOT = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentPath:
+    """A prompt as the segments of the tree it walks, in order; their ids joined are its ids."""
+
+    cache: SegmentCache
+    segments: tuple[Segment, ...]
+
+    def ids(self) -> array[int]:
+        out: array[int] = array("I")
+        for segment in self.segments:
+            out.extend(segment.ids)
+        return out
+
+
+@dataclass(slots=True)
+class EncodePlan:
+    """A prompt's known prefix in the tree, and the segments after it still to encode."""
+
+    cache: SegmentCache
+    encode_batch: EncodeBatch
+    known: list[Segment]
+    new: list[str]
+    #: The new segments' pieces: text (to encode) and added tokens' ids.
+    pieces: list[list[str | int]] = field(default_factory=list)
+
+    @property
+    def texts(self) -> list[str]:
+        """The new segments' text pieces, in order: what :meth:`encode` encodes."""
+        return [p for pieces in self.pieces for p in pieces if isinstance(p, str)]
+
+    @property
+    def new_chars(self) -> int:
+        """Characters left to encode: what the encoding step costs, roughly."""
+        return sum(len(t) for t in self.texts)
+
+    def encode(self) -> list[Sequence[int]]:
+        """The ids of :attr:`texts` (the costly step: may run in another thread)."""
+        texts = self.texts
+        return list(self.encode_batch(texts)) if texts else []
+
+    def finish(self, encoded: Sequence[Sequence[int]]) -> SegmentPath:
+        """The whole prompt's path, the new segments (``encoded``: :meth:`encode`'s) remembered."""
+        return self.cache.grow(self, encoded)
+
+
 class SegmentCache:
-    """Piece text -> its ids, least recently used out past ``max_bytes``."""
+    """A tree of segments under their prefixes, least recently used out past ``max_bytes``."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 1:
@@ -91,59 +215,90 @@ class SegmentCache:
         self.max_bytes = max_bytes
         self.bytes = 0
         self.stats = CacheStats()
-        self._entries: OrderedDict[str, array[int]] = OrderedDict()
+        #: (serial of the segment before, or ROOT; segment text) -> the segment.
+        self._entries: OrderedDict[tuple[int, str], Segment] = OrderedDict()
+        self._serials = count(ROOT + 1)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def encode(
-        self, splitter: Splitter, text: str, encode_batch: Callable[[list[str]], Sequence[Sequence[int]]]
-    ) -> list[int]:
-        """The ids of ``text`` (no special tokens added), encoding only pieces not remembered."""
-        pieces = splitter.pieces(text)
-        found: dict[str, array[int]] = {}
-        missing: list[str] = []
+    def plan(self, splitter: Splitter, text: str, encode_batch: EncodeBatch) -> EncodePlan:
+        """``text``'s longest known prefix of segments, and what is left to encode after it."""
+        segments = splitter.segments(text)
+        known: list[Segment] = []
+        parent = ROOT
+        entries = self._entries
         with self._lock:
+            for segment in segments:
+                key = (parent, segment)
+                node = entries.get(key)
+                if node is None:
+                    break
+                entries.move_to_end(key)
+                known.append(node)
+                parent = node.serial
+            self.stats.hits += len(known)
+            self.stats.misses += len(segments) - len(known)
+        new = segments[len(known) :]
+        return EncodePlan(self, encode_batch, known, new, [splitter.pieces(s) for s in new])
+
+    def encode(self, splitter: Splitter, text: str, encode_batch: EncodeBatch) -> list[int]:
+        """The ids of ``text`` (no special tokens added), encoding only segments not remembered."""
+        plan = self.plan(splitter, text, encode_batch)
+        return self.grow(plan, plan.encode()).ids().tolist()
+
+    def grow(self, plan: EncodePlan, encoded: Sequence[Sequence[int]]) -> SegmentPath:
+        """Remember ``plan``'s new segments after its known prefix; ``encoded``: the ids of its
+        text pieces (:meth:`EncodePlan.encode`)."""
+        texts = iter(encoded)
+        new_ids: list[array[int]] = []
+        for pieces in plan.pieces:
+            ids: array[int] = array("I")
             for piece in pieces:
-                if isinstance(piece, int) or piece in found or piece in missing:
-                    continue
-                entry = self._entries.get(piece) if len(piece) >= MIN_CACHED_CHARS else None
-                if entry is not None:
-                    self._entries.move_to_end(piece)
-                    found[piece] = entry
-                    self.stats.hits += 1
+                if isinstance(piece, int):
+                    ids.append(piece)
                 else:
-                    missing.append(piece)
-                    if len(piece) >= MIN_CACHED_CHARS:
-                        self.stats.misses += 1
-        if missing:
-            for piece, ids in zip(missing, encode_batch(missing), strict=True):
-                found[piece] = array("I", ids)
-            self._remember({p: found[p] for p in missing if len(p) >= MIN_CACHED_CHARS})
-        out: list[int] = []
-        for piece in pieces:
-            if isinstance(piece, int):
-                out.append(piece)
-            else:
-                out.extend(found[piece])
-        return out
-
-    def _remember(self, new: dict[str, array[int]]) -> None:
+                    ids.extend(next(texts))
+            new_ids.append(ids)
+        if next(texts, None) is not None:
+            raise ValueError("more encoded texts than the plan's text pieces")
+        path = list(plan.known)
+        parent = path[-1].serial if path else ROOT
         with self._lock:
-            for piece, ids in new.items():
-                if piece in self._entries:
-                    continue
-                cost = _cost(piece, ids)
-                if cost > self.max_bytes:
-                    continue
-                self._entries[piece] = ids
+            for segment, ids in zip(plan.new, new_ids, strict=True):
+                key = (parent, segment)
+                node = self._entries.get(key)  # another request may have added it meanwhile
+                if node is None:
+                    cost = sys.getsizeof(segment) + sys.getsizeof(ids) + _ENTRY_OVERHEAD
+                    node = Segment(next(self._serials), ids, cost)
+                    if node.cost <= self.max_bytes:
+                        self._entries[key] = node
+                        node.live = True
+                        self.bytes += node.cost
+                path.append(node)
+                parent = node.serial
+            self._evict()
+        return SegmentPath(self, tuple(path))
+
+    def remember(self, segment: Segment, key: Hashable, value: object, nbytes: int) -> None:
+        """Keep ``value``, derived from the prefix ending at ``segment``, as ``segment.derived[key]``;
+        ``nbytes`` (what it holds) counts against the budget while the segment is remembered."""
+        with self._lock:
+            if segment.derived is None:
+                segment.derived = {}
+            if key in segment.derived:
+                return
+            segment.derived[key] = value
+            if segment.live:
+                cost = nbytes + _DERIVED_OVERHEAD
+                segment.cost += cost
                 self.bytes += cost
-            while self.bytes > self.max_bytes:
-                piece, ids = self._entries.popitem(last=False)
-                self.bytes -= _cost(piece, ids)
-                self.stats.evictions += 1
+                self._evict()
 
-
-def _cost(piece: str, ids: array[int]) -> int:
-    return sys.getsizeof(piece) + sys.getsizeof(ids) + _ENTRY_OVERHEAD
+    def _evict(self) -> None:
+        while self.bytes > self.max_bytes and self._entries:
+            _key, node = self._entries.popitem(last=False)
+            node.live = False
+            self.bytes -= node.cost
+            self.stats.evictions += 1

@@ -25,7 +25,7 @@ from tokenizers import processors
 
 from extproc.tokenize.chat_template import ChatTemplate
 from extproc.tokenize.errors import ChatTemplateLoadError, TokenIdError, TokenizerError
-from extproc.tokenize.segments import SegmentCache, Splitter, splitter_for
+from extproc.tokenize.segments import EncodePlan, SegmentCache, Splitter, splitter_for
 
 # transformers' clean_up_tokenization: undo the spaces a word-level detokenizer put before punctuation.
 _CLEANUPS = (
@@ -79,7 +79,7 @@ class Tokenizer:
         )
         self._compiled: dict[str, ChatTemplate] = {}
         #: Set by :meth:`enable_segment_cache` (only serve uses it): where prompts are cut, and the
-        #: ids of pieces seen before.
+        #: tree of segments seen before.
         self._splitter: Splitter | None = None
         self.segment_cache: SegmentCache | None = None
 
@@ -148,8 +148,16 @@ class Tokenizer:
         self._splitter, self.segment_cache = splitter, SegmentCache(max_bytes)
         return True
 
+    def plan_encode(self, text: str) -> EncodePlan | None:
+        """Encoding ``text`` (no special tokens) in steps, from its known prefix (see
+        :mod:`extproc.tokenize.segments`); None without a segment cache."""
+        if self.segment_cache is None or self._splitter is None:
+            return None
+        return self.segment_cache.plan(self._splitter, text, self._encode_pieces)
+
     def _encode_pieces(self, pieces: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._backend.encode_batch(pieces, add_special_tokens=False)]
+        # The same ids as encode_batch, without the character offsets (~20% faster on few pieces).
+        return [e.ids for e in self._backend.encode_batch_fast(pieces, add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; unknown ids are a :class:`TokenIdError` (400) like vLLM's detokenize."""

@@ -240,6 +240,19 @@ def test_render_failures_are_400(source: str, match: str) -> None:
     assert info.value.template == "custom"
 
 
+def test_the_sandbox_answers_the_same_every_time() -> None:
+    """Its attribute check is remembered per type and name: a mutation is refused on every
+    render, not only the first, and a safe method keeps working."""
+    mutate = ChatTemplate("{{ messages.append(1) }}{{ messages[0].content.upper() }}", name="m")
+    safe = ChatTemplate("{% for m in messages %}{{ m.content.upper() }}{% endfor %}", name="s")
+    messages = [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]
+    for _ in range(3):
+        with pytest.raises(ChatTemplateError, match="SecurityError|Undefined|unsafe"):
+            mutate.render(messages, bos_token=None, eos_token=None)
+        assert safe.render(messages, bos_token=None, eos_token=None) == "XY"
+    assert len(messages) == 2
+
+
 @pytest.mark.parametrize("key", ["messages", "chat_template", "tokenize"])
 def test_reserved_kwargs_rejected(key: str) -> None:
     """chat_template_kwargs cannot replace the messages or the template (400, as in vLLM)."""

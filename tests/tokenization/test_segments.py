@@ -8,13 +8,14 @@ encoded whole by the library and piece by piece through the cache, cold and warm
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
 
 import pytest
 from real_tokenizers import real_tokenizer
 
 from extproc.openai import ChatPrompt
-from extproc.tokenize.prompts import chat_prompt_ids
+from extproc.tokenize.prompts import chat_prompt_ids, chat_prompt_text
 from extproc.tokenize.segments import SegmentCache, splitter_for
 from extproc.tokenize.shipped import shipped_chat_template
 from extproc.tokenize.tokenizer import Tokenizer
@@ -130,18 +131,43 @@ def test_raw_text_with_added_tokens_and_whitespace(name: str) -> None:
 
 def test_a_conversations_next_turn_encodes_only_what_is_new() -> None:
     tokenizer = load("llama3")
+    whole = load("llama3")
     assert tokenizer.enable_segment_cache(1 << 24)
     template = template_for("llama3", tokenizer)
     history = [{"role": "system", "content": "policy " * 2000}, {"role": "user", "content": "first question"}]
     chat_prompt_ids(ChatPrompt.from_body({"model": "m", "messages": history}), tokenizer, template)
-    cache = tokenizer.segment_cache
-    assert cache is not None
-    misses = cache.stats.misses
     history += [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "second question"}]
-    chat_prompt_ids(ChatPrompt.from_body({"model": "m", "messages": history}), tokenizer, template)
-    # Only the two new messages are new; the long system prompt comes from the cache.
-    assert cache.stats.misses - misses <= 2
-    assert cache.stats.hits >= 1
+    prompt = ChatPrompt.from_body({"model": "m", "messages": history})
+    plan = tokenizer.plan_encode(chat_prompt_text(prompt, tokenizer, template))
+    assert plan is not None
+    # The long system prompt and the first question are known; only what follows is encoded.
+    assert sum(len(segment.ids) for segment in plan.known) > 2000
+    assert 0 < plan.new_chars < 100
+    path = plan.finish(plan.encode())
+    assert path.ids().tolist() == chat_prompt_ids(prompt, whole, template)
+    # Once more: the whole prompt is known, nothing is encoded.
+    again = tokenizer.plan_encode(chat_prompt_text(prompt, tokenizer, template))
+    assert again is not None and again.new == [] and again.new_chars == 0
+
+
+def test_a_shared_prefix_is_one_path_whatever_follows() -> None:
+    """Two conversations on one system prompt share its segment; their next segments differ."""
+    tokenizer = load("llama3")
+    assert tokenizer.enable_segment_cache(1 << 24)
+    template = template_for("llama3", tokenizer)
+    system = {"role": "system", "content": "shared instructions " * 500}
+    paths = []
+    for question in ("one", "two"):
+        prompt = ChatPrompt.from_body(
+            {"model": "m", "messages": [system, {"role": "user", "content": question}]}
+        )
+        plan = tokenizer.plan_encode(chat_prompt_text(prompt, tokenizer, template))
+        assert plan is not None
+        paths.append(plan.finish(plan.encode()))
+    first, second = (p.segments for p in paths)
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a is not b)
+    assert sum(len(segment.ids) for segment in first[:shared]) > 1000  # the instructions, once
+    assert first[shared].ids != second[shared].ids
 
 
 def test_the_cache_stays_within_its_byte_budget() -> None:
@@ -157,3 +183,20 @@ def test_the_cache_stays_within_its_byte_budget() -> None:
         cache.encode(splitter, f"document {i}: " + "words and more words " * 40 + "<|eot_id|>", batch)
     assert 0 < cache.bytes <= 64 * 1024
     assert cache.stats.evictions > 0 and len(cache) < 500
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_the_trie_pattern_finds_what_the_flat_alternation_finds(name: str) -> None:
+    """Longest added token first at each position, like the library: proven against the plain
+    longest-first alternation on texts dense with added tokens and their prefixes."""
+    tokenizer = load(name)
+    splitter = splitter_for(tokenizer._backend)
+    assert splitter is not None
+    words = sorted(splitter.ids, key=len, reverse=True)
+    flat = re.compile("(" + "|".join(re.escape(w) for w in words) + ")")
+    rng = random.Random(f"trie-{name}")
+    fragments = [*words, *(w[: rng.randrange(1, len(w) + 1)] for w in words), "x", " ", "|", "<"]
+    for _ in range(300):
+        text = "".join(rng.choice(fragments) for _ in range(rng.randrange(1, 30)))
+        assert splitter.capture.split(text) == flat.split(text), text
+        assert "".join(splitter.segments(text)) == text

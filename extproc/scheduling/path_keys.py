@@ -1,0 +1,49 @@
+"""Block keys of a prompt that walked the segment tree: only its new segments' blocks are hashed.
+
+The keys of a prompt's blocks chain from its first token (:mod:`extproc.kvindex.keys`), so the keys
+up to the end of a segment depend on that segment's whole prefix: exactly what a segment of the
+tree (:mod:`extproc.tokenize.segments`) stands for. Each segment therefore remembers, per key
+namespace and block size, the keys of the blocks that end inside it, the key of the last full block
+and the tokens left over after it. A conversation's next turn finds all of that on its known
+segments and hashes only the tokens its new segments add.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from typing import cast
+
+from extproc.kvindex.keys import block_keys
+from extproc.tokenize.segments import SegmentPath
+
+#: What a segment remembers per (seed, block size): the keys of the blocks that end in it, the key
+#: of the prefix's last full block (the seed when none) and the prefix's tokens after that block.
+_State = tuple["array[int]", int, tuple[int, ...]]
+_NO_KEYS: array[int] = array("q")
+
+
+def path_block_keys(path: SegmentPath, block_size: int, seed: int) -> array[int]:
+    """The block keys of ``path``'s ids: ``block_keys(path.ids(), block_size, seed)``, remembered."""
+    memo = (seed, block_size)
+    keys: array[int] = array("q")
+    last: int = seed
+    tail: tuple[int, ...] = ()
+    for segment in path.segments:
+        derived = segment.derived
+        state = cast("_State | None", None if derived is None else derived.get(memo))
+        if state is None:
+            state = _extend(last, tail, segment.ids, block_size, seed)
+            path.cache.remember(segment, memo, state, sys.getsizeof(state[0]) + sys.getsizeof(state[2]))
+        added, last, tail = state
+        keys.extend(added)
+    return keys
+
+
+def _extend(last: int, tail: tuple[int, ...], ids: array[int], block_size: int, seed: int) -> _State:
+    tokens = tail + tuple(ids)
+    full = len(tokens) - len(tokens) % block_size
+    if not full:
+        return _NO_KEYS, last, tokens
+    added = array("q", block_keys(tokens[:full], block_size, seed, parent=last))
+    return added, added[-1], tokens[full:]
