@@ -156,14 +156,12 @@ class PrefixScorer:
             if plan is None:
                 return Tokenized(model, await self.pool.run(lambda: tokenizer.prompt_ids(prompt)))
             if plan.new_chars < INLINE_PROMPT_CHARS:
-                encoded = plan.encode()
+                path: SegmentPath | None = plan.finish(plan.encode(here=True))
             else:
-                encoded_in_pool = await self.pool.run(plan.encode)
-                if encoded_in_pool is None:
-                    return Tokenized(model, None)
-                encoded = encoded_in_pool
-            path = plan.finish(encoded)
-            return Tokenized(model, path.ids(), path=path)
+                # Remembered in the worker too: a prompt past its budget still teaches the tree,
+                # so the conversation's next turn is not cold again.
+                path = await self.pool.run(lambda: plan.finish(plan.encode()))
+            return Tokenized(model, None) if path is None else Tokenized(model, path.ids(), path=path)
         except Exception as exc:
             self._tokenize_failed(model, exc)
             return Tokenized(model, None)
@@ -316,7 +314,7 @@ def _tokenize(model: str, tokenizer: ModelTokenizer, prompt: Prompt) -> Tokenize
     plan = tokenizer.prompt_plan(prompt)
     if plan is None:
         return Tokenized(model, tokenizer.prompt_ids(prompt))
-    path = plan.finish(plan.encode())
+    path = plan.finish(plan.encode(here=plan.new_chars < INLINE_PROMPT_CHARS))
     return Tokenized(model, path.ids(), path=path)
 
 

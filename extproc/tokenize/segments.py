@@ -180,7 +180,9 @@ class EncodePlan:
     """A prompt's known prefix in the tree, and the segments after it still to encode."""
 
     cache: SegmentCache
+    #: Encodes a list of texts: with every core (from a worker), or in the calling thread.
     encode_batch: EncodeBatch
+    encode_here: EncodeBatch
     known: list[Segment]
     new: list[str]
     #: The new segments' pieces: text (to encode) and added tokens' ids.
@@ -196,10 +198,17 @@ class EncodePlan:
         """Characters left to encode: what the encoding step costs, roughly."""
         return sum(len(t) for t in self.texts)
 
-    def encode(self) -> list[Sequence[int]]:
-        """The ids of :attr:`texts` (the costly step: may run in another thread)."""
+    def encode(self, *, here: bool = False) -> list[Sequence[int]]:
+        """The ids of :attr:`texts` (the costly step: may run in another thread).
+
+        ``here``: in the calling thread only. For a few short texts on the event loop: handing
+        them to the library's thread pool and waiting for it costs more than encoding them, and the
+        wait blocks the loop while the machine's cores are busy elsewhere.
+        """
         texts = self.texts
-        return list(self.encode_batch(texts)) if texts else []
+        if not texts:
+            return []
+        return list((self.encode_here if here else self.encode_batch)(texts))
 
     def finish(self, encoded: Sequence[Sequence[int]]) -> SegmentPath:
         """The whole prompt's path, the new segments (``encoded``: :meth:`encode`'s) remembered."""
@@ -223,7 +232,9 @@ class SegmentCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def plan(self, splitter: Splitter, text: str, encode_batch: EncodeBatch) -> EncodePlan:
+    def plan(
+        self, splitter: Splitter, text: str, encode_batch: EncodeBatch, encode_here: EncodeBatch | None = None
+    ) -> EncodePlan:
         """``text``'s longest known prefix of segments, and what is left to encode after it."""
         segments = splitter.segments(text)
         known: list[Segment] = []
@@ -241,7 +252,8 @@ class SegmentCache:
             self.stats.hits += len(known)
             self.stats.misses += len(segments) - len(known)
         new = segments[len(known) :]
-        return EncodePlan(self, encode_batch, known, new, [splitter.pieces(s) for s in new])
+        pieces = [splitter.pieces(s) for s in new]
+        return EncodePlan(self, encode_batch, encode_here or encode_batch, known, new, pieces)
 
     def encode(self, splitter: Splitter, text: str, encode_batch: EncodeBatch) -> list[int]:
         """The ids of ``text`` (no special tokens added), encoding only segments not remembered."""

@@ -15,10 +15,10 @@ from extproc.tokenize.segments import SegmentPath
 from extproc.tokenize.tokenizer import Tokenizer
 
 
-def walk(tokenizer: Tokenizer, prompt: ChatPrompt, template: object) -> SegmentPath:
+def walk(tokenizer: Tokenizer, prompt: ChatPrompt, template: object, *, here: bool = False) -> SegmentPath:
     plan = tokenizer.plan_encode(chat_prompt_text(prompt, tokenizer, template))  # type: ignore[arg-type]
     assert plan is not None
-    return plan.finish(plan.encode())
+    return plan.finish(plan.encode(here=here))
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen3"])
@@ -38,8 +38,8 @@ def test_remembered_keys_equal_the_whole_prompts_keys(name: str) -> None:
             history += [{"role": "user", "content": "more " * rng.randrange(1, 40)}]
         prompt = ChatPrompt.from_body({"model": "m", "messages": history})
         expected_ids = chat_prompt_ids(prompt, whole, template)
-        for _ in range(2):  # cold, then with everything remembered
-            path = walk(tokenizer, prompt, template)
+        for here in (rng.random() < 0.5, False):  # cold (encoded either way), then remembered
+            path = walk(tokenizer, prompt, template, here=here)
             assert path.ids().tolist() == expected_ids
             for seed in seeds:
                 for block_size in (1, 7, 16):

@@ -7,6 +7,7 @@ computed here independently of the scorer.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import threading
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from extproc.sim.kv_wire import encode_batch
 from extproc.tokenize import shipped_chat_template, shipped_tokenizer
 from extproc.tokenize.pool import TokenizePool
 from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerRegistry
+from extproc.tokenize.segments import SegmentCache
 from extproc.tokenize.workers import ProcessWorkers, WorkerSetup
 from extproc.types import EndpointAddress
 
@@ -102,7 +104,13 @@ def estimated_tokens(path: str, payload: dict[str, Any]) -> int:
 class Router:
     """A catalog, an index registered from it (as the follower does) and a scorer over both."""
 
-    def __init__(self, *, blocked: frozenset[str] = frozenset(), pool: TokenizePool | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        blocked: frozenset[str] = frozenset(),
+        pool: TokenizePool | None = None,
+        registry: TokenizerRegistry = REGISTRY,
+    ) -> None:
         self.catalog = make_catalog()
         self.index = PrefixIndex(max_entries=100_000, max_entries_per_source=100_000)
         for source, plan in plan_sources(self.catalog).items():
@@ -110,7 +118,7 @@ class Router:
         self.ingest = IndexIngest(self.index)
         self.scorer = PrefixScorer(
             index=self.index,
-            tokenizers=REGISTRY,
+            tokenizers=registry,
             approx=ApproxPrefixIndex(),
             blocked=lambda: blocked,
             pool=pool,
@@ -537,4 +545,72 @@ async def test_without_a_tokenizer_or_kv_events_nothing_is_tokenized_first() -> 
         assert not router.scorer.tokenizes_first(router.route(QWEN), qwen)  # KV events, no tokenizer
         assert not Router().scorer.tokenizes_first(router.route(LLAMA), long)  # no pool: inline
     finally:
+        pool.close()
+
+
+def with_segment_tree() -> TokenizerRegistry:
+    specs = [TokenizerSpec(LLAMA, SHIPPED_TOKENIZER, "llama3")]
+    return TokenizerRegistry.load(specs, segment_cache_bytes=1 << 22)
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["inline", "pool"])
+async def test_a_conversation_walked_through_the_segment_tree_is_credited_as_without_it(pooled: bool) -> None:
+    """Turn after turn (short and long new turns), the tree's ids and remembered block keys give
+    the credit whole-prompt tokenizing gives, and the turns after the first walk a known prefix."""
+    pool = TokenizePool(threads=2, budget=30.0) if pooled else None
+    tree, plain = Router(pool=pool, registry=with_segment_tree()), Router()
+    route = tree.route(LLAMA)
+    messages: list[dict[str, str]] = [{"role": "system", "content": LONG}]
+    try:
+        for turn in range(6):
+            messages.append({"role": "user", "content": f"question {turn} " + LONG * 3 * (turn % 3)})
+            payload = {"messages": list(messages)}
+            tokens = engine_tokens(CHAT, payload)
+            for router in (tree, plain):  # both indexes: the pod holds all but the last blocks
+                router.feed(KV1, tokens, len(tokens) // 16 - 1)
+            request = read_request(CHAT, {"model": LLAMA, **payload})
+            if pooled:
+                tokenized = await tree.scorer.prompt_tokens(route, request)
+                assert tokenized.path is not None and list(tokenized.ids or []) == tokens
+                match = tree.scorer.match(tree.catalog, route, request, route.endpoints, tokenized)
+            else:
+                match = tree.match(LLAMA, CHAT, payload)
+            assert match == plain.match(LLAMA, CHAT, payload)
+            assert match.cached_tokens[KV1] == (len(tokens) // 16 - 1) * 16
+            messages.append({"role": "assistant", "content": f"answer {turn}"})
+        cache = tree_of(tree)
+        assert cache.stats.hits > 0 and cache.bytes > 0
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def tree_of(router: Router) -> SegmentCache:
+    entry = router.scorer.tokenizers.get(LLAMA)
+    assert entry is not None and entry.tokenizer.segment_cache is not None
+    return entry.tokenizer.segment_cache
+
+
+async def test_a_prompt_past_its_budget_still_teaches_the_tree() -> None:
+    """The request is routed without its ids, but its worker finishes and remembers the prompt:
+    the conversation's next turn is not cold again."""
+    pool = TokenizePool(threads=1, budget=0.01)
+    router = Router(pool=pool, registry=with_segment_tree())
+    busy = threading.Event()
+    try:
+        pool.workers.submit(busy.wait, b"")
+        route = router.route(LLAMA)
+        payload = {"messages": [{"role": "system", "content": LONG * 20}, {"role": "user", "content": "Hi"}]}
+        request = read_request(CHAT, {"model": LLAMA, **payload})
+        assert await router.scorer.prompt_tokens(route, request) == Tokenized(LLAMA, None)
+        busy.set()
+        for _ in range(200):
+            if pool.pending == 0:
+                break
+            await asyncio.sleep(0.01)
+        tokenized = await router.scorer.prompt_tokens(route, request)
+        assert tokenized.path is not None and list(tokenized.ids or []) == engine_tokens(CHAT, payload)
+        assert tree_of(router).stats.hits >= len(tokenized.path.segments)
+    finally:
+        busy.set()
         pool.close()
