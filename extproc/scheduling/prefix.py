@@ -149,8 +149,11 @@ class PrefixScorer:
             prompt = request.read_prompt()
             if prompt is None:
                 return Tokenized(model, None)
+            # The block keys too are computed in the worker, and remembered on the segments: the
+            # decision then finds them there instead of hashing a long new prompt on the loop.
+            keyed = (namespace_seed(model, request.cache_salt), _block_sizes(catalog, route))
             if not _renders_inline(prompt, request):
-                whole = await self.pool.run(lambda: _tokenize(model, tokenizer, prompt))
+                whole = await self.pool.run(lambda: _tokenize(model, tokenizer, prompt, keyed))
                 return whole if whole is not None else Tokenized(model, None)
             plan = tokenizer.prompt_plan(prompt)
             if plan is None:
@@ -160,8 +163,8 @@ class PrefixScorer:
             else:
                 # Remembered in the worker too: a prompt past its budget still teaches the tree,
                 # so the conversation's next turn is not cold again.
-                path = await self.pool.run(lambda: plan.finish(plan.encode()))
-            return Tokenized(model, None) if path is None else Tokenized(model, path.ids(), path=path)
+                path = await self.pool.run(lambda: _keyed(plan.finish(plan.encode()), keyed))
+            return Tokenized(model, None) if path is None else Tokenized(model, path, path=path)
         except Exception as exc:
             self._tokenize_failed(model, exc)
             return Tokenized(model, None)
@@ -309,13 +312,23 @@ class PrefixScorer:
                 lower[address] = reach - held
 
 
-def _tokenize(model: str, tokenizer: ModelTokenizer, prompt: Prompt) -> Tokenized:
-    """The prompt's ids, and its path in the segment tree when it has one (all in this thread)."""
+def _tokenize(
+    model: str, tokenizer: ModelTokenizer, prompt: Prompt, keyed: tuple[int, tuple[int, ...]] = (0, ())
+) -> Tokenized:
+    """The prompt's ids, and its path in the segment tree when it has one (all in this thread);
+    ``keyed``: a seed and block sizes whose keys to compute on the path too."""
     plan = tokenizer.prompt_plan(prompt)
     if plan is None:
         return Tokenized(model, tokenizer.prompt_ids(prompt))
-    path = plan.finish(plan.encode(here=plan.new_chars < INLINE_PROMPT_CHARS))
-    return Tokenized(model, path.ids(), path=path)
+    path = _keyed(plan.finish(plan.encode(here=plan.new_chars < INLINE_PROMPT_CHARS)), keyed)
+    return Tokenized(model, path, path=path)
+
+
+def _keyed(path: SegmentPath, keyed: tuple[int, tuple[int, ...]]) -> SegmentPath:
+    seed, block_sizes = keyed
+    for size in block_sizes:
+        path_block_keys(path, size, seed)  # remembered on the path's segments
+    return path
 
 
 def _renders_inline(prompt: Prompt, request: InferenceRequest) -> bool:

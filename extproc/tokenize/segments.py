@@ -29,10 +29,10 @@ import sys
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Any
+from typing import Any, overload
 
 import tokenizers
 
@@ -146,11 +146,13 @@ class Segment:
     """One remembered segment under its prefix: its ids, and values derived from the whole prefix
     up to it (see :meth:`SegmentCache.remember`)."""
 
-    __slots__ = ("cost", "derived", "ids", "live", "serial")
+    __slots__ = ("cost", "derived", "end", "ids", "live", "serial")
 
-    def __init__(self, serial: int, ids: array[int], cost: int) -> None:
+    def __init__(self, serial: int, ids: array[int], end: int, cost: int) -> None:
         self.serial = serial
         self.ids = ids
+        #: The prompt's length in tokens up to the end of this segment.
+        self.end = end
         self.cost = cost
         #: False once evicted: it is then only held by the prompts that walked through it.
         self.live = False
@@ -161,18 +163,37 @@ class Segment:
 ROOT = 0
 
 
-@dataclass(frozen=True, slots=True)
-class SegmentPath:
-    """A prompt as the segments of the tree it walks, in order; their ids joined are its ids."""
+class SegmentPath(Sequence[int]):
+    """A prompt as the segments of the tree it walks, in order; as a sequence, the prompt's ids
+    (their length known without joining them; joined on first use)."""
 
-    cache: SegmentCache
-    segments: tuple[Segment, ...]
+    __slots__ = ("_ids", "cache", "segments")
+
+    def __init__(self, cache: SegmentCache, segments: tuple[Segment, ...]) -> None:
+        self.cache = cache
+        self.segments = segments
+        self._ids: array[int] | None = None
 
     def ids(self) -> array[int]:
-        out: array[int] = array("I")
-        for segment in self.segments:
-            out.extend(segment.ids)
-        return out
+        if self._ids is None:
+            out: array[int] = array("I")
+            for segment in self.segments:
+                out.extend(segment.ids)
+            self._ids = out
+        return self._ids
+
+    def __len__(self) -> int:
+        return self.segments[-1].end if self.segments else 0
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[int]: ...
+    def __getitem__(self, index: int | slice) -> int | Sequence[int]:
+        return self.ids()[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ids())
 
 
 @dataclass(slots=True)
@@ -283,7 +304,8 @@ class SegmentCache:
                 node = self._entries.get(key)  # another request may have added it meanwhile
                 if node is None:
                     cost = sys.getsizeof(segment) + sys.getsizeof(ids) + _ENTRY_OVERHEAD
-                    node = Segment(next(self._serials), ids, cost)
+                    end = (path[-1].end if path else 0) + len(ids)
+                    node = Segment(next(self._serials), ids, end, cost)
                     if node.cost <= self.max_bytes:
                         self._entries[key] = node
                         node.live = True

@@ -45,6 +45,9 @@ _CLEANUPS = (
 #: Texts from this length on are encoded without holding the GIL (``encode_batch`` costs a few
 #: microseconds more to start, which only short texts would notice).
 _RELEASE_GIL_CHARS = 2048
+#: Pieces up to this long have their ids remembered (at most _SHORT_PIECES of them).
+_SHORT_PIECE_CHARS = 64
+_SHORT_PIECES = 4096
 
 
 class Tokenizer:
@@ -82,6 +85,9 @@ class Tokenizer:
         #: tree of segments seen before.
         self._splitter: Splitter | None = None
         self.segment_cache: SegmentCache | None = None
+        #: Ids of short pieces encoded in the calling thread: a template's role names and
+        #: separators ("user", "\n\n") recur in every new turn, and each encode call costs ~20 µs.
+        self._short_pieces: dict[str, list[int]] = {}
 
     # --- loading ---------------------------------------------------------------------------------
 
@@ -160,7 +166,18 @@ class Tokenizer:
         return [e.ids for e in self._backend.encode_batch_fast(pieces, add_special_tokens=False)]
 
     def _encode_pieces_here(self, pieces: list[str]) -> list[list[int]]:
-        return [self._backend.encode(p, add_special_tokens=False).ids for p in pieces]
+        out: list[list[int]] = []
+        short = self._short_pieces
+        for piece in pieces:
+            ids = short.get(piece)
+            if ids is None:
+                ids = self._backend.encode(piece, add_special_tokens=False).ids
+                if len(piece) <= _SHORT_PIECE_CHARS:
+                    if len(short) >= _SHORT_PIECES:
+                        short.clear()  # bounded whatever clients send; refills with what recurs
+                    short[piece] = ids
+            out.append(ids)
+        return out
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; unknown ids are a :class:`TokenIdError` (400) like vLLM's detokenize."""

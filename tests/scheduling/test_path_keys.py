@@ -41,6 +41,7 @@ def test_remembered_keys_equal_the_whole_prompts_keys(name: str) -> None:
         for here in (rng.random() < 0.5, False):  # cold (encoded either way), then remembered
             path = walk(tokenizer, prompt, template, here=here)
             assert path.ids().tolist() == expected_ids
+            assert len(path) == len(expected_ids) and list(path) == expected_ids
             for seed in seeds:
                 for block_size in (1, 7, 16):
                     got = path_block_keys(path, block_size, seed).tolist()

@@ -247,7 +247,7 @@ def test_the_sandbox_answers_the_same_every_time() -> None:
     safe = ChatTemplate("{% for m in messages %}{{ m.content.upper() }}{% endfor %}", name="s")
     messages = [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]
     for _ in range(3):
-        with pytest.raises(ChatTemplateError, match="SecurityError|Undefined|unsafe"):
+        with pytest.raises(ChatTemplateError, match=r"SecurityError|Undefined|unsafe"):
             mutate.render(messages, bos_token=None, eos_token=None)
         assert safe.render(messages, bos_token=None, eos_token=None) == "XY"
     assert len(messages) == 2
