@@ -5,7 +5,8 @@ chat template; ``scripts/fetch_tokenizers.py``) over 8 endpoints that declare KV
 load client plays Envoy (``grpc_load.one_stream``); nothing else runs. Bodies never repeat except
 the small one, so no cache of whole bodies can help. Measured, per `serve` variant, in one run:
 
-- **small**: decisions/s of a 64-byte chat, 16 streams (the reference for the ratios below);
+- **small**: decisions/s of a 64-byte chat, 16 streams (the reference for the ratios below),
+  measured before and after each conversation measure: a ratio takes the mean of the two around it;
 - **conversations 8k / 32k**: 16 clients, each walking its own conversation (history of ~8k or
   ~32k tokens plus one new ~30-word user turn per request; the answer joins the history);
 - **cold 8k**: unique ~8k-token chats, 16 streams: `serve`'s prompt tokens/s against the tokenizer
@@ -60,6 +61,8 @@ from ports import free_port  # noqa: E402
 
 MODEL = "bench-model"
 STREAMS = 16
+#: Unique ~32k-token bodies prepared for the stall measure (it sends far fewer: see "valid").
+LONG_BODIES = 300
 VARIANTS = {
     "inline": ["--tokenize-threads", "0"],
     "threads": [],
@@ -164,6 +167,17 @@ def lag_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     return {"ticks": total, "over_5ms": over_5ms, "worst_bucket_le": worst}
 
 
+def gc_summary(samples: dict[str, float]) -> dict[str, float]:
+    """Full collections (generation 2) over the run: how many, their total and the slow ones."""
+
+    def sample(name: str) -> float:
+        return samples.get(f"extproc_gc_pause_seconds_{name}", 0.0)
+
+    count = sample('count{generation="2"}')
+    within_5ms = sample('bucket{generation="2",le="0.005"}')
+    return {"full": count, "full_seconds": sample('sum{generation="2"}'), "full_over_5ms": count - within_5ms}
+
+
 async def latencies(call: Callable[[], Awaitable[object]], count: int) -> list[float]:
     out = []
     for _ in range(count):
@@ -246,14 +260,22 @@ async def measure_variant(
             return await one_stream(stub, request_messages(body))
 
         small = chat_body(MODEL)
-        out["small"] = await closed_loop(lambda: send(small), concurrency=STREAMS, duration=seconds)
-
+        # Small before and after each conversation measure: each ratio takes the mean of the two
+        # around it, so a slow or fast moment of a shared machine does not swing it alone.
+        small_runs = [await closed_loop(lambda: send(small), concurrency=STREAMS, duration=seconds)]
         for name, tokens in (("conversations_8k", 8_000), ("conversations_32k", 32_000)):
             turns = Turns(send, [Conversation(texts, tokens) for _ in range(STREAMS)])
             async with profiler.around(name):
                 out[name] = await precise_share(
                     admin_port, closed_loop(turns.next, concurrency=STREAMS, duration=seconds, warmup=0.5)
                 )
+            small_runs.append(await closed_loop(lambda: send(small), concurrency=STREAMS, duration=seconds))
+            out[name]["small_per_s"] = statistics.fmean(r["per_s"] for r in small_runs[-2:])
+        out["small"] = {
+            "per_s": statistics.fmean(r["per_s"] for r in small_runs),
+            "runs_per_s": [r["per_s"] for r in small_runs],
+            "errors": sum(r["errors"] for r in small_runs),
+        }
 
         cold = [cold_body(texts, 8_000) for _ in range(4000)]
         bodies = iter(cold)
@@ -275,10 +297,16 @@ async def measure_variant(
 
         alone = await latencies(lambda: send(small), 200)
         stop = asyncio.Event()
+        # Made before the measure: making a ~140 kB body takes this client's loop ~10 ms, which
+        # would show up as the small requests' latency (the client, not serve, stalling).
+        long_bodies = [cold_body(texts, 32_000) for _ in range(LONG_BODIES)]
+        sent_long = 0
 
         async def long_stream() -> None:
-            while not stop.is_set():
-                await send(cold_body(texts, 32_000))
+            nonlocal sent_long
+            while not stop.is_set() and sent_long < len(long_bodies):
+                await send(long_bodies[sent_long])
+                sent_long += 1
 
         async with profiler.around("stall"):
             background = asyncio.create_task(long_stream())
@@ -286,7 +314,13 @@ async def measure_variant(
             beside = await latencies(lambda: send(small), 200)
             stop.set()
             await background
-        out["stall"] = {"p99_alone_ms": p(alone, 0.99) * 1e3, "p99_beside_32k_ms": p(beside, 0.99) * 1e3}
+        out["stall"] = {
+            "p99_alone_ms": p(alone, 0.99) * 1e3,
+            "p99_beside_32k_ms": p(beside, 0.99) * 1e3,
+            "long_prompts_sent": sent_long,
+            # Ran out of prepared bodies before the small requests were done: the tail was alone.
+            "valid": sent_long < len(long_bodies),
+        }
 
         conversation = Conversation(texts, 8_000)
         next_turns = []
@@ -295,16 +329,16 @@ async def measure_variant(
             started = time.perf_counter()
             await send(body)
             next_turns.append(time.perf_counter() - started)
-        colds = await latencies(lambda: send(cold_body(texts, 8_000)), 30)
+        cold_bodies = iter([cold_body(texts, 8_000) for _ in range(30)])  # made outside the timing
+        colds = await latencies(lambda: send(next(cold_bodies)), 30)
         out["next_turn"] = {"p50_next_turn_ms": p(next_turns, 0.5) * 1e3, "p50_cold_ms": p(colds, 0.5) * 1e3}
     return out
 
 
 def ratios(r: dict[str, Any]) -> dict[str, float]:
-    small = r["small"]["per_s"]
     return {
-        "conversations_8k": r["conversations_8k"]["per_s"] / small,
-        "conversations_32k": r["conversations_32k"]["per_s"] / small,
+        "conversations_8k": r["conversations_8k"]["per_s"] / r["conversations_8k"]["small_per_s"],
+        "conversations_32k": r["conversations_32k"]["per_s"] / r["conversations_32k"]["small_per_s"],
         "cold_tokens": r["cold_8k"]["serve_tokens_per_s"] / r["cold_8k"]["library_tokens_per_s"],
         "stall": r["stall"]["p99_beside_32k_ms"] / r["stall"]["p99_alone_ms"],
         "next_turn": r["next_turn"]["p50_next_turn_ms"] / r["next_turn"]["p50_cold_ms"],
@@ -345,6 +379,7 @@ async def run(seconds: float, variants: list[str], profile: Path | None) -> dict
                 )
                 measured["fallbacks"] = await metric_values(admin_port, "extproc_tokenize_fallbacks_total")
                 measured["loop_lag"] = lag_summary(before, await loop_lag(admin_port))
+                measured["gc"] = gc_summary(await metric_values(admin_port, "extproc_gc_pause_seconds"))
             finally:
                 await serve.stop()
             measured["ratios"] = ratios(measured)
@@ -377,7 +412,10 @@ def report(results: dict[str, Any]) -> str:
         cells = [f"{results['variants'][n]['ratios'][key]:.2f}" for n in names]
         lines.append(f"| {label} | {target} | " + " | ".join(cells) + " |")
     raw = [
-        ("small decisions/s", lambda v: f"{v['small']['per_s']:.0f}"),
+        (
+            "small decisions/s: before 8k / between / after 32k",
+            lambda v: " / ".join(f"{x:.0f}" for x in v["small"]["runs_per_s"]),
+        ),
         ("8k conversations decisions/s", lambda v: f"{v['conversations_8k']['per_s']:.1f}"),
         ("32k conversations decisions/s", lambda v: f"{v['conversations_32k']['per_s']:.1f}"),
         (
@@ -388,8 +426,13 @@ def report(results: dict[str, Any]) -> str:
             ),
         ),
         (
-            "small p99 alone / beside 32k ms",
-            lambda v: f"{v['stall']['p99_alone_ms']:.1f} / {v['stall']['p99_beside_32k_ms']:.1f}",
+            "small p99 alone / beside 32k ms (32k prompts sent meanwhile)",
+            lambda v: (
+                f"{v['stall']['p99_alone_ms']:.1f} / {v['stall']['p99_beside_32k_ms']:.1f} "
+                f"({v['stall']['long_prompts_sent']}"
+                + ("" if v["stall"]["valid"] else ", ran out: INVALID")
+                + ")"
+            ),
         ),
         (
             "next turn / cold p50 ms",
@@ -400,6 +443,12 @@ def report(results: dict[str, Any]) -> str:
             lambda v: (
                 f"{v['loop_lag']['over_5ms']:.0f} of {v['loop_lag']['ticks']:.0f}, "
                 f"≤ {v['loop_lag']['worst_bucket_le']} s"
+            ),
+        ),
+        (
+            "full GC runs (over 5 ms), their total ms",
+            lambda v: (
+                f"{v['gc']['full']:.0f} ({v['gc']['full_over_5ms']:.0f}), {v['gc']['full_seconds'] * 1e3:.0f}"
             ),
         ),
         (

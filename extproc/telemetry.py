@@ -108,6 +108,14 @@ class Metrics:
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05),
             registry=self.registry,
         )
+        self.gc_pause_seconds = Histogram(
+            "extproc_gc_pause_seconds",
+            "How long one run of Python's cyclic garbage collector stopped everything, by generation "
+            "(2: a full collection, the long ones).",
+            ["generation"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
+            registry=self.registry,
+        )
         self.upstream_failures = Counter(
             "extproc_upstream_failures_total",
             "Routed requests whose pick failed, as Envoy's response attributes tell: connect_failed "

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import sys
 from array import array
+from collections.abc import Sequence
 from typing import cast
 
 from extproc.kvindex.keys import block_keys
-from extproc.tokenize.segments import SegmentPath
+from extproc.tokenize.segments import SegmentPath, segment_ids
 
-#: What a segment remembers per (seed, block size): the keys of the blocks that end in it, the key
-#: of the prefix's last full block (the seed when none) and the prefix's tokens after that block.
-_State = tuple["array[int]", int, tuple[int, ...]]
-_NO_KEYS: array[int] = array("q")
+#: What a segment remembers per (seed, block size): the keys of the blocks that end in it (the
+#: bytes of an ``array('q')``: untracked by the garbage collector), the key of the prefix's last
+#: full block (the seed when none) and the prefix's tokens after that block.
+_State = tuple[bytes, int, tuple[int, ...]]
 
 
 def path_block_keys(path: SegmentPath, block_size: int, seed: int) -> array[int]:
@@ -33,17 +34,17 @@ def path_block_keys(path: SegmentPath, block_size: int, seed: int) -> array[int]
         derived = segment.derived
         state = cast("_State | None", None if derived is None else derived.get(memo))
         if state is None:
-            state = _extend(last, tail, segment.ids, block_size, seed)
+            state = _extend(last, tail, segment_ids(segment), block_size, seed)
             path.cache.remember(segment, memo, state, sys.getsizeof(state[0]) + sys.getsizeof(state[2]))
         added, last, tail = state
-        keys.extend(added)
+        keys.frombytes(added)
     return keys
 
 
-def _extend(last: int, tail: tuple[int, ...], ids: array[int], block_size: int, seed: int) -> _State:
+def _extend(last: int, tail: tuple[int, ...], ids: Sequence[int], block_size: int, seed: int) -> _State:
     tokens = tail + tuple(ids)
     full = len(tokens) - len(tokens) % block_size
     if not full:
-        return _NO_KEYS, last, tokens
-    added = array("q", block_keys(tokens[:full], block_size, seed, parent=last))
-    return added, added[-1], tokens[full:]
+        return b"", last, tokens
+    added = block_keys(tokens[:full], block_size, seed, parent=last)
+    return array("q", added).tobytes(), added[-1], tokens[full:]

@@ -51,9 +51,9 @@ PrefixMode = Literal["precise", "approximate", "none"]
 #: holds for what a prompt adds to its known prefix (see :mod:`extproc.tokenize.segments`).
 INLINE_PROMPT_CHARS = 4096
 #: Chat prompts up to this many messages and body bytes are rendered and looked up in the segment
-#: tree on the loop (a few hundred microseconds: 80 messages, 57 kB, ~0.5 ms); only what they add is
-#: encoded in a worker. Larger ones are rendered in a worker too, so no body can stall the loop.
-INLINE_RENDER_MESSAGES = 256
+#: tree on the loop (~2.5 µs a message: 200 messages, 80 kB, ~0.6 ms); only what they add is encoded
+#: in a worker. Larger ones are rendered in a worker too, so no body can stall the loop for long.
+INLINE_RENDER_MESSAGES = 512
 INLINE_RENDER_BYTES = 1 << 20
 
 

@@ -7,6 +7,7 @@ demo run the real thing in-process; :func:`serve` is the CLI's blocking entry po
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import sys
@@ -29,7 +30,7 @@ from extproc.scheduling.registry import DEFAULT_POLICY, build_policy
 from extproc.scheduling.scheduler import Scheduler
 from extproc.serve.collectors import CalibrationCollector, CatalogCollector, UnknownProfileCollector
 from extproc.serve.loop_lag import watch_loop_lag
-from extproc.serve.memory import trim_forever
+from extproc.serve.memory import GcPauses, freeze_startup_heap, trim_forever
 from extproc.serve.observed import observe_worker_sets
 from extproc.serve.prefix_routing import PrefixRouting
 from extproc.server.budget import BodyBudget
@@ -44,7 +45,7 @@ from extproc.types import WorkerSetKey
 log = logging.getLogger(__name__)
 
 #: The GIL switch interval while prompts are tokenized in threads (seconds; Python's default: 0.005).
-TOKENIZING_SWITCH_INTERVAL = 0.001
+TOKENIZING_SWITCH_INTERVAL = 0.0002
 
 
 class Server:
@@ -98,6 +99,8 @@ class Server:
         self._profile_poll: asyncio.Task[None] | None = None
         self._loop_lag: asyncio.Task[None] | None = None
         self._trim: asyncio.Task[None] | None = None
+        self._gc_pauses = GcPauses(self.metrics.gc_pause_seconds)
+        self._froze_heap = False
         #: The GIL switch interval before start changed it (restored by stop).
         self._switch_interval: float | None = None
         self._started = time.time()
@@ -122,6 +125,7 @@ class Server:
             raise
         self._watch = asyncio.create_task(self.source.watch(self._publish), name="catalog-source")
         self._loop_lag = asyncio.create_task(watch_loop_lag(self.metrics.loop_lag), name="loop-lag")
+        self._gc_pauses.install()
         if self.settings.malloc_trim_interval > 0:
             self._trim = asyncio.create_task(
                 trim_forever(
@@ -143,6 +147,8 @@ class Server:
             self.scraper.start()
         if self.settings.profiles is not None:
             self._profile_poll = asyncio.create_task(self._poll_profiles(), name="profiles")
+        log.debug("startup heap frozen objects=%d", freeze_startup_heap())
+        self._froze_heap = True
         catalog = self.store.current
         log.info(
             "serving grpc=%s:%d admin=%s:%d worker_sets=%d models=%d",
@@ -293,6 +299,10 @@ class Server:
         """Stop taking streams, let open ones finish for ``drain_seconds``, then close."""
         for task in (self._watch, self._profile_poll, self._loop_lag, self._trim):
             await cancel_and_wait(task)
+        self._gc_pauses.uninstall()
+        if self._froze_heap:  # for a serve run inside another program (tests): leave its heap as found
+            gc.unfreeze()
+            self._froze_heap = False
         if self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None

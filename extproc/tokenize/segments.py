@@ -144,11 +144,16 @@ class CacheStats:
 
 class Segment:
     """One remembered segment under its prefix: its ids, and values derived from the whole prefix
-    up to it (see :meth:`SegmentCache.remember`)."""
+    up to it (see :meth:`SegmentCache.remember`).
+
+    The ids are kept as the bytes of an ``array('I')``: bytes are not tracked by the cyclic garbage
+    collector, arrays are, and every tracked object is walked by each full collection (a pause of
+    the whole process).
+    """
 
     __slots__ = ("cost", "derived", "end", "ids", "live", "serial")
 
-    def __init__(self, serial: int, ids: array[int], end: int, cost: int) -> None:
+    def __init__(self, serial: int, ids: bytes, end: int, cost: int) -> None:
         self.serial = serial
         self.ids = ids
         #: The prompt's length in tokens up to the end of this segment.
@@ -175,10 +180,11 @@ class SegmentPath(Sequence[int]):
         self._ids: array[int] | None = None
 
     def ids(self) -> array[int]:
+        """The prompt's ids, joined once."""
         if self._ids is None:
             out: array[int] = array("I")
             for segment in self.segments:
-                out.extend(segment.ids)
+                out.frombytes(segment.ids)
             self._ids = out
         return self._ids
 
@@ -303,9 +309,10 @@ class SegmentCache:
                 key = (parent, segment)
                 node = self._entries.get(key)  # another request may have added it meanwhile
                 if node is None:
-                    cost = sys.getsizeof(segment) + sys.getsizeof(ids) + _ENTRY_OVERHEAD
+                    raw = ids.tobytes()
+                    cost = sys.getsizeof(segment) + sys.getsizeof(raw) + _ENTRY_OVERHEAD
                     end = (path[-1].end if path else 0) + len(ids)
-                    node = Segment(next(self._serials), ids, end, cost)
+                    node = Segment(next(self._serials), raw, end, cost)
                     if node.cost <= self.max_bytes:
                         self._entries[key] = node
                         node.live = True
@@ -336,3 +343,8 @@ class SegmentCache:
             node.live = False
             self.bytes -= node.cost
             self.stats.evictions += 1
+
+
+def segment_ids(segment: Segment) -> memoryview:
+    """A segment's ids as a sequence of ints (a view of its bytes, nothing copied)."""
+    return memoryview(segment.ids).cast("I")

@@ -16,7 +16,7 @@ from real_tokenizers import real_tokenizer
 
 from extproc.openai import ChatPrompt
 from extproc.tokenize.prompts import chat_prompt_ids, chat_prompt_text
-from extproc.tokenize.segments import SegmentCache, splitter_for
+from extproc.tokenize.segments import SegmentCache, segment_ids, splitter_for
 from extproc.tokenize.shipped import shipped_chat_template
 from extproc.tokenize.tokenizer import Tokenizer
 
@@ -141,7 +141,7 @@ def test_a_conversations_next_turn_encodes_only_what_is_new() -> None:
     plan = tokenizer.plan_encode(chat_prompt_text(prompt, tokenizer, template))
     assert plan is not None
     # The long system prompt and the first question are known; only what follows is encoded.
-    assert sum(len(segment.ids) for segment in plan.known) > 2000
+    assert sum(len(segment_ids(segment)) for segment in plan.known) > 2000
     assert 0 < plan.new_chars < 100
     path = plan.finish(plan.encode())
     assert path.ids().tolist() == chat_prompt_ids(prompt, whole, template)
@@ -166,7 +166,7 @@ def test_a_shared_prefix_is_one_path_whatever_follows() -> None:
         paths.append(plan.finish(plan.encode()))
     first, second = (p.segments for p in paths)
     shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a is not b)
-    assert sum(len(segment.ids) for segment in first[:shared]) > 1000  # the instructions, once
+    assert sum(len(segment_ids(segment)) for segment in first[:shared]) > 1000  # the instructions, once
     assert first[shared].ids != second[shared].ids
 
 
