@@ -13,7 +13,6 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import cast
 
 from extproc.kvindex.keys import block_keys
 from extproc.tokenize.segments import SegmentPath, segment_ids
@@ -27,17 +26,19 @@ _State = tuple[bytes, int, tuple[int, ...]]
 def path_block_keys(path: SegmentPath, block_size: int, seed: int) -> array[int]:
     """The block keys of ``path``'s ids: ``block_keys(path.ids(), block_size, seed)``, remembered."""
     memo = (seed, block_size)
-    keys: array[int] = array("q")
+    parts: list[bytes] = []
     last: int = seed
     tail: tuple[int, ...] = ()
-    for segment in path.segments:
+    for segment in path.segments:  # hot: one step per segment of every prompt
         derived = segment.derived
-        state = cast("_State | None", None if derived is None else derived.get(memo))
+        state: _State | None = derived.get(memo) if derived is not None else None  # type: ignore[assignment]
         if state is None:
             state = _extend(last, tail, segment_ids(segment), block_size, seed)
             path.cache.remember(segment, memo, state, sys.getsizeof(state[0]) + sys.getsizeof(state[2]))
-        added, last, tail = state
-        keys.frombytes(added)
+        parts.append(state[0])
+        last, tail = state[1], state[2]
+    keys: array[int] = array("q")
+    keys.frombytes(b"".join(parts))
     return keys
 
 
