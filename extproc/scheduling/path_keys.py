@@ -29,9 +29,9 @@ def path_block_keys(path: SegmentPath, block_size: int, seed: int) -> array[int]
     parts: list[bytes] = []
     last: int = seed
     tail: tuple[int, ...] = ()
+    derived = path.cache.derived
     for segment in path.segments:  # hot: one step per segment of every prompt
-        derived = segment.derived
-        state: _State | None = derived.get(memo) if derived is not None else None  # type: ignore[assignment]
+        state: _State | None = derived(segment, memo)  # type: ignore[assignment]
         if state is None:
             state = _extend(last, tail, segment_ids(segment), block_size, seed)
             path.cache.remember(segment, memo, state, sys.getsizeof(state[0]) + sys.getsizeof(state[2]))

@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Any, overload
+from typing import Any, Final, overload
 
 import tokenizers
 
@@ -142,26 +142,22 @@ class CacheStats:
         self.evictions += other.evictions
 
 
-class Segment:
-    """One remembered segment under its prefix: its ids, and values derived from the whole prefix
-    up to it (see :meth:`SegmentCache.remember`).
+#: One remembered segment under its prefix: (serial, its prefix's serial, its text, its ids as the
+#: bytes of an ``array('I')``, the prompt's length in tokens up to its end). A plain tuple, not a
+#: class: every full collection of the cyclic garbage collector walks each tracked object and stops
+#: the whole process meanwhile, and it stops tracking a tuple holding only ints, str and bytes (a
+#: tree of 17,000 segments as objects made those pauses 15 ms).
+Segment = tuple[int, int, str, bytes, int]
+SERIAL: Final = 0
+PARENT: Final = 1
+TEXT: Final = 2
+IDS: Final = 3
+END: Final = 4
 
-    The ids are kept as the bytes of an ``array('I')``: bytes are not tracked by the cyclic garbage
-    collector, arrays are, and every tracked object is walked by each full collection (a pause of
-    the whole process).
-    """
 
-    __slots__ = ("cost", "derived", "end", "ids", "live", "serial")
-
-    def __init__(self, serial: int, ids: bytes, end: int, cost: int) -> None:
-        self.serial = serial
-        self.ids = ids
-        #: The prompt's length in tokens up to the end of this segment.
-        self.end = end
-        self.cost = cost
-        #: False once evicted: it is then only held by the prompts that walked through it.
-        self.live = False
-        self.derived: dict[Hashable, object] | None = None
+def segment_ids(segment: Segment) -> memoryview:
+    """A segment's ids as a sequence of ints (a view of its bytes, nothing copied)."""
+    return memoryview(segment[IDS]).cast("I")
 
 
 #: The serial of the empty prefix, the tree's root.
@@ -184,12 +180,12 @@ class SegmentPath(Sequence[int]):
         if self._ids is None:
             out: array[int] = array("I")
             for segment in self.segments:
-                out.frombytes(segment.ids)
+                out.frombytes(segment[IDS])
             self._ids = out
         return self._ids
 
     def __len__(self) -> int:
-        return self.segments[-1].end if self.segments else 0
+        return self.segments[-1][END] if self.segments else 0
 
     @overload
     def __getitem__(self, index: int) -> int: ...
@@ -253,6 +249,10 @@ class SegmentCache:
         self.stats = CacheStats()
         #: (serial of the segment before, or ROOT; segment text) -> the segment.
         self._entries: OrderedDict[tuple[int, str], Segment] = OrderedDict()
+        #: (serial, key) -> a value derived from the prefix ending at that segment (:meth:`remember`).
+        self._derived: dict[tuple[int, Hashable], object] = {}
+        #: serial -> the bytes its derived values hold, and their keys (to drop them with it).
+        self._derived_of: dict[int, tuple[int, tuple[Hashable, ...]]] = {}
         self._serials = count(ROOT + 1)
         self._lock = threading.Lock()
 
@@ -275,7 +275,7 @@ class SegmentCache:
                     break
                 entries.move_to_end(key)
                 known.append(node)
-                parent = node.serial
+                parent = node[SERIAL]
             self.stats.hits += len(known)
             self.stats.misses += len(segments) - len(known)
         new = segments[len(known) :]
@@ -303,48 +303,54 @@ class SegmentCache:
         if next(texts, None) is not None:
             raise ValueError("more encoded texts than the plan's text pieces")
         path = list(plan.known)
-        parent = path[-1].serial if path else ROOT
+        parent = path[-1][SERIAL] if path else ROOT
         with self._lock:
-            for segment, ids in zip(plan.new, new_ids, strict=True):
-                key = (parent, segment)
+            for text, ids in zip(plan.new, new_ids, strict=True):
+                key = (parent, text)
                 node = self._entries.get(key)  # another request may have added it meanwhile
                 if node is None:
-                    raw = ids.tobytes()
-                    cost = sys.getsizeof(segment) + sys.getsizeof(raw) + _ENTRY_OVERHEAD
-                    end = (path[-1].end if path else 0) + len(ids)
-                    node = Segment(next(self._serials), raw, end, cost)
-                    if node.cost <= self.max_bytes:
+                    end = (path[-1][END] if path else 0) + len(ids)
+                    node = (next(self._serials), parent, text, ids.tobytes(), end)
+                    cost = _cost(node)
+                    if cost <= self.max_bytes:
                         self._entries[key] = node
-                        node.live = True
-                        self.bytes += node.cost
+                        self.bytes += cost
                 path.append(node)
-                parent = node.serial
+                parent = node[SERIAL]
             self._evict()
         return SegmentPath(self, tuple(path))
 
+    def derived(self, segment: Segment, key: Hashable) -> object | None:
+        """What :meth:`remember` kept for ``segment`` under ``key``, if anything."""
+        return self._derived.get((segment[SERIAL], key))
+
     def remember(self, segment: Segment, key: Hashable, value: object, nbytes: int) -> None:
-        """Keep ``value``, derived from the prefix ending at ``segment``, as ``segment.derived[key]``;
-        ``nbytes`` (what it holds) counts against the budget while the segment is remembered."""
+        """Keep ``value``, derived from the prefix ending at ``segment``, under ``key`` while the
+        segment is remembered; ``nbytes`` (what it holds) counts against the budget. Nothing is
+        kept for a segment no longer (or never) remembered."""
+        serial = segment[SERIAL]
         with self._lock:
-            if segment.derived is None:
-                segment.derived = {}
-            if key in segment.derived:
+            if self._entries.get((segment[PARENT], segment[TEXT])) is not segment:
                 return
-            segment.derived[key] = value
-            if segment.live:
-                cost = nbytes + _DERIVED_OVERHEAD
-                segment.cost += cost
-                self.bytes += cost
-                self._evict()
+            if (serial, key) in self._derived:
+                return
+            self._derived[serial, key] = value
+            cost, keys = self._derived_of.get(serial, (0, ()))
+            added = nbytes + _DERIVED_OVERHEAD
+            self._derived_of[serial] = (cost + added, (*keys, key))
+            self.bytes += added
+            self._evict()
 
     def _evict(self) -> None:
         while self.bytes > self.max_bytes and self._entries:
             _key, node = self._entries.popitem(last=False)
-            node.live = False
-            self.bytes -= node.cost
+            self.bytes -= _cost(node)
+            cost, keys = self._derived_of.pop(node[SERIAL], (0, ()))
+            for key in keys:
+                del self._derived[node[SERIAL], key]
+            self.bytes -= cost
             self.stats.evictions += 1
 
 
-def segment_ids(segment: Segment) -> memoryview:
-    """A segment's ids as a sequence of ints (a view of its bytes, nothing copied)."""
-    return memoryview(segment.ids).cast("I")
+def _cost(segment: Segment) -> int:
+    return sys.getsizeof(segment[TEXT]) + sys.getsizeof(segment[IDS]) + _ENTRY_OVERHEAD
