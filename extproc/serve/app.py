@@ -30,7 +30,7 @@ from extproc.scheduling.registry import DEFAULT_POLICY, build_policy
 from extproc.scheduling.scheduler import Scheduler
 from extproc.serve.collectors import CalibrationCollector, CatalogCollector, UnknownProfileCollector
 from extproc.serve.loop_lag import watch_loop_lag
-from extproc.serve.memory import GcPauses, freeze_startup_heap, trim_forever
+from extproc.serve.memory import GcWatch, freeze_startup_heap, trim_forever
 from extproc.serve.observed import observe_worker_sets
 from extproc.serve.prefix_routing import PrefixRouting
 from extproc.server.budget import BodyBudget
@@ -99,7 +99,7 @@ class Server:
         self._profile_poll: asyncio.Task[None] | None = None
         self._loop_lag: asyncio.Task[None] | None = None
         self._trim: asyncio.Task[None] | None = None
-        self._gc_pauses = GcPauses(self.metrics.gc_pause_seconds)
+        self._gc_watch: GcWatch | None = None
         self._froze_heap = False
         #: The GIL switch interval before start changed it (restored by stop).
         self._switch_interval: float | None = None
@@ -125,7 +125,8 @@ class Server:
             raise
         self._watch = asyncio.create_task(self.source.watch(self._publish), name="catalog-source")
         self._loop_lag = asyncio.create_task(watch_loop_lag(self.metrics.loop_lag), name="loop-lag")
-        self._gc_pauses.install()
+        self._gc_watch = GcWatch(self.metrics.gc_pause_seconds, asyncio.get_running_loop())
+        self._gc_watch.install()
         if self.settings.malloc_trim_interval > 0:
             self._trim = asyncio.create_task(
                 trim_forever(
@@ -299,7 +300,8 @@ class Server:
         """Stop taking streams, let open ones finish for ``drain_seconds``, then close."""
         for task in (self._watch, self._profile_poll, self._loop_lag, self._trim):
             await cancel_and_wait(task)
-        self._gc_pauses.uninstall()
+        if self._gc_watch is not None:
+            self._gc_watch.uninstall()
         if self._froze_heap:  # for a serve run inside another program (tests): leave its heap as found
             gc.unfreeze()
             self._froze_heap = False

@@ -10,7 +10,7 @@ Where there is no glibc (musl), nothing is done.
 
 **GC pauses.** The cyclic garbage collector stops the event loop while it runs; a full collection
 over a large heap (the prefix index, the tokenizers' caches) can take tens of milliseconds, which
-every request in flight waits. :class:`GcPauses` times each collection, by generation, and
+every request in flight waits. :class:`GcWatch` times each collection, by generation, and
 :func:`freeze_startup_heap` takes what serve loaded at start (modules, tokenizers, the first catalog:
 ~75 ms of every full collection, bench/results/long_prompts.md) out of the collector's walks.
 """
@@ -83,12 +83,21 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
-class GcPauses:
-    """Observes each collection's duration into ``seconds`` (labelled by generation) while installed."""
+class GcWatch:
+    """Times each collection into ``seconds`` (labelled by generation) while installed, and keeps the
+    startup heap frozen (``keep_frozen``).
 
-    def __init__(self, seconds: Histogram) -> None:
+    A catalog file's reload thaws it (see ``extproc.sources.file``): then, right after the next full
+    collection (which collected the cyclic garbage made meanwhile), the heap is frozen again, on
+    ``loop``; only garbage made in that instant can escape collection.
+    """
+
+    def __init__(self, seconds: Histogram, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._seconds = seconds
+        self._loop = loop
         self._started = 0.0
+        #: Times the heap was frozen again after a thaw.
+        self.refrozen = 0
 
     def install(self) -> None:
         if self._on_collect not in gc.callbacks:
@@ -101,7 +110,17 @@ class GcPauses:
     def _on_collect(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._started = time.perf_counter()
-        elif self._started:
-            elapsed = time.perf_counter() - self._started
-            self._seconds.labels(str(info.get("generation", "?"))).observe(elapsed)
+            return
+        generation = info.get("generation")
+        if self._started:
+            self._seconds.labels(str(generation)).observe(time.perf_counter() - self._started)
             self._started = 0.0
+        if generation == 2 and self._loop is not None and gc.get_freeze_count() == 0:
+            # Not from inside the collector (it may run in any thread): on the loop, next.
+            self._loop.call_soon_threadsafe(self._refreeze)
+
+    def _refreeze(self) -> None:
+        if gc.get_freeze_count() == 0:
+            gc.freeze()
+            self.refrozen += 1
+            log.info("heap frozen again after a full collection objects=%d", gc.get_freeze_count())

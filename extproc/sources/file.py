@@ -128,25 +128,16 @@ def _collection_paused() -> Iterator[None]:
     after enabling would walk all of it at once (~60 ms). A freeze immediately undone moves every
     tracked object to the oldest generation without walking any (two list splices), so they are
     examined only by a later full collection, whose cost any process of that size pays anyway.
-
-    When the process froze its heap at start (``serve`` does, see
-    :func:`extproc.serve.memory.freeze_startup_heap`), undoing a freeze would thaw that heap too, and
-    every full collection would walk it again. Then the young generations are collected first
-    (cheap: only objects made since the last collections), and the freeze stays: the new catalog
-    joins the frozen heap (it holds no cycles; a replaced one is still freed by reference counts).
-    The price: cyclic garbage made by other threads during the parse is never collected.
+    That also thaws a heap serve froze at start; serve freezes it again after that collection
+    (:class:`extproc.serve.memory.GcWatch`), once the garbage made meanwhile is collected.
     """
-    keep_frozen = gc.get_freeze_count() > 0
-    if keep_frozen:
-        gc.collect(1)
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         gc.freeze()
-        if not keep_frozen:
-            gc.unfreeze()
+        gc.unfreeze()
         if enabled:
             gc.enable()
 

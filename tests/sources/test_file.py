@@ -314,27 +314,6 @@ async def test_reloads_leave_garbage_collection_working(catalog_file: Path) -> N
     assert probe() is None
 
 
-async def test_reloads_keep_a_frozen_startup_heap_frozen(catalog_file: Path) -> None:
-    """serve freezes its startup heap: a reload must not thaw it (every full collection would walk
-    it again), and young cyclic garbage from before the reload is still collected."""
-    source = source_for(catalog_file)
-    source.load()
-    gc.freeze()
-    try:
-        frozen = gc.get_freeze_count()
-        docs = fixture_docs()
-        probe = weakref.ref(_Cyclic())
-        async with watching(source) as published:
-            find(docs, "Service", "qwen-2-7b")["metadata"]["labels"] = {"edit": "1"}
-            write(catalog_file, docs)
-            await published.next()
-        assert gc.isenabled()
-        assert gc.get_freeze_count() >= frozen
-        assert probe() is None
-    finally:
-        gc.unfreeze()
-
-
 class _Cyclic:
     """Garbage only the cycle collector can free."""
 
