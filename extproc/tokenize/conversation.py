@@ -39,6 +39,17 @@ def prepare_messages(
 
 
 def _prepare_message(index: int, message: Any, content_format: ContentFormat) -> dict[str, Any]:
+    if (
+        content_format == "string"
+        and type(message) is dict
+        and len(message) == 2
+        and type(message.get("content")) is str
+        and type(message.get("role")) is str
+        and message["role"] != "developer"
+    ):
+        # Most of a long conversation: what the shaping below would build is an equal dict (the
+        # template cannot change it: the sandbox is immutable).
+        return message
     where = f"messages[{index}]"
     # dict first: the parsed JSON's type, and an ABC check costs a microsecond per message.
     is_mapping = type(message) is dict or isinstance(message, Mapping)

@@ -168,7 +168,8 @@ QUESTIONS = (
 @MODES
 @pytest.mark.parametrize(
     "prefix_tokens",
-    # 600 tokens are tokenized inline; 2,000 (~5k characters) in the tokenizing threads.
+    # 600 tokens are tokenized inline; 2,000 (~5k characters) in the tokenizing threads, the first
+    # time: the follow-ups find that prefix in the segment tree and encode their question inline.
     [600, 2000],
     ids=["inline", "threads"],
 )
@@ -211,7 +212,10 @@ async def test_follow_ups_sharing_a_long_prefix_land_on_the_engine_holding_it(
         assert got["usage"]["prompt_tokens"] == len(follow_ids)
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= shared
     assert gw.server.prefix.scorer.counters.lookups["precise"] == precise + len(bodies)
-    assert pool.completed - tokenized_before == (0 if prefix_tokens < 1000 else 1 + len(bodies))
+    assert pool.completed - tokenized_before == (0 if prefix_tokens < 1000 else 1)
+    tree = gw.server.prefix.scorer.tokenizers.get(LLAMA)
+    assert tree is not None and tree.tokenizer.segment_cache is not None
+    assert tree.tokenizer.segment_cache.stats.hits >= len(bodies)  # each follow-up walked the prefix
 
 
 # -- (2) different prefixes spread by load, then each sticks to its own engine ------------------------
