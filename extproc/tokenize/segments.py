@@ -13,7 +13,7 @@ template writes each message between added tokens, so a conversation's next turn
 earlier segment, in the same order. :class:`SegmentCache` keeps them as a tree (a segment is known
 under the segments before it), so a prompt's known prefix is found segment by segment, only the
 new segments are encoded (together, in one ``encode_batch`` call, which releases the GIL), and what
-is derived from a prefix's ids (its block keys) can be remembered on its last segment
+is derived from a prefix's ids (its block keys) can be remembered with its last segment
 (:meth:`SegmentCache.remember`). Least recently used segments go out past a byte budget. Safe from
 several threads.
 
