@@ -15,8 +15,10 @@ the small one, so no cache of whole bodies can help. Measured, per `serve` varia
   ~32k-token chats;
 - **next turn**: one stream; p50 of a conversation's next turn (same ~8k history, a new last
   message) against p50 of cold ~8k prompts;
-- **event loop**: `serve`'s own ``extproc_event_loop_lag_seconds``: the share of 10 ms timer ticks
-  more than 5 ms late over the whole run, and the largest bucket reached.
+- **event loop**: `serve`'s own ``extproc_event_loop_lag_seconds``: the 10 ms timer ticks more
+  than 5 ms late over the whole run, and the largest bucket reached; also per measure, with the
+  first small one (no tokenizing at all) as the control for what the machine alone costs; and the
+  full garbage collections (``extproc_gc_pause_seconds``), which stop the loop too.
 
 Variants: ``inline`` (``--tokenize-threads 0``: tokenized on the event loop, as before), ``threads``
 (the default: worker threads, bounded) and ``processes`` (``--tokenize-processes 2``: two worker
@@ -61,8 +63,11 @@ from ports import free_port  # noqa: E402
 
 MODEL = "bench-model"
 STREAMS = 16
-#: Unique ~32k-token bodies prepared for the stall measure (it sends far fewer: see "valid").
-LONG_BODIES = 300
+#: Small requests timed alone and beside the 32k prompts: with 1,000, a p99 is the 10th worst, not
+#: one unlucky pause of a shared machine.
+STALL_SAMPLES = 1000
+#: Unique ~32k-token bodies prepared for the stall measure (it sends fewer: see "valid").
+LONG_BODIES = 400
 VARIANTS = {
     "inline": ["--tokenize-threads", "0"],
     "threads": [],
@@ -204,6 +209,14 @@ async def metric_values(admin_port: int, prefix: str) -> dict[str, float]:
     }
 
 
+async def with_loop_lag(admin_port: int, measure: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """Run ``measure`` and add serve's loop lag during it (``loop_lag``; see :func:`lag_summary`)."""
+    before = await loop_lag(admin_port)
+    result = await measure
+    result["loop_lag"] = lag_summary(before, await loop_lag(admin_port))
+    return result
+
+
 async def precise_share(admin_port: int, measure: Awaitable[dict[str, Any]]) -> dict[str, Any]:
     """Run ``measure`` and add the share of its requests matched precisely (tokenized in time)."""
     before = await metric_values(admin_port, "extproc_prefix_lookups_total")
@@ -262,25 +275,33 @@ async def measure_variant(
         small = chat_body(MODEL)
         # Small before and after each conversation measure: each ratio takes the mean of the two
         # around it, so a slow or fast moment of a shared machine does not swing it alone.
-        small_runs = [await closed_loop(lambda: send(small), concurrency=STREAMS, duration=seconds)]
+        # Its loop lag is the control: no tokenizing at all, only the machine and gRPC.
+        small_runs = [
+            await with_loop_lag(
+                admin_port, closed_loop(lambda: send(small), concurrency=STREAMS, duration=seconds)
+            )
+        ]
         for name, tokens in (("conversations_8k", 8_000), ("conversations_32k", 32_000)):
             turns = Turns(send, [Conversation(texts, tokens) for _ in range(STREAMS)])
             async with profiler.around(name):
-                out[name] = await precise_share(
-                    admin_port, closed_loop(turns.next, concurrency=STREAMS, duration=seconds, warmup=0.5)
-                )
+                measured = closed_loop(turns.next, concurrency=STREAMS, duration=seconds, warmup=0.5)
+                out[name] = await with_loop_lag(admin_port, precise_share(admin_port, measured))
             small_runs.append(await closed_loop(lambda: send(small), concurrency=STREAMS, duration=seconds))
             out[name]["small_per_s"] = statistics.fmean(r["per_s"] for r in small_runs[-2:])
         out["small"] = {
             "per_s": statistics.fmean(r["per_s"] for r in small_runs),
             "runs_per_s": [r["per_s"] for r in small_runs],
             "errors": sum(r["errors"] for r in small_runs),
+            "loop_lag": small_runs[0]["loop_lag"],
         }
 
         cold = [cold_body(texts, 8_000) for _ in range(4000)]
         bodies = iter(cold)
-        out["cold_8k"] = await precise_share(
-            admin_port, closed_loop(lambda: send(next(bodies)), concurrency=STREAMS, duration=seconds)
+        out["cold_8k"] = await with_loop_lag(
+            admin_port,
+            precise_share(
+                admin_port, closed_loop(lambda: send(next(bodies)), concurrency=STREAMS, duration=seconds)
+            ),
         )
         used = [orjson.loads(b)["messages"][0]["content"] for b in cold[: out["cold_8k"]["completed"] or 1]]
         # Warm, as serve's tokenizer is by now: the library keeps a cache of words it has split.
@@ -295,7 +316,7 @@ async def measure_variant(
         cold["serve_tokens_per_s"] = cold["per_s"] * cold["precise_share"] * tokens_per_prompt
         out["cold_8k"]["library_tokens_per_s"] = sum(len(e.ids) for e in encoded) / library_s
 
-        alone = await latencies(lambda: send(small), 200)
+        alone = await latencies(lambda: send(small), STALL_SAMPLES)
         stop = asyncio.Event()
         # Made before the measure: making a ~140 kB body takes this client's loop ~10 ms, which
         # would show up as the small requests' latency (the client, not serve, stalling).
@@ -309,12 +330,15 @@ async def measure_variant(
                 sent_long += 1
 
         async with profiler.around("stall"):
+            lag_before = await loop_lag(admin_port)
             background = asyncio.create_task(long_stream())
             await asyncio.sleep(0.5)
-            beside = await latencies(lambda: send(small), 200)
+            beside = await latencies(lambda: send(small), STALL_SAMPLES)
             stop.set()
             await background
+            stall_lag = lag_summary(lag_before, await loop_lag(admin_port))
         out["stall"] = {
+            "loop_lag": stall_lag,
             "p99_alone_ms": p(alone, 0.99) * 1e3,
             "p99_beside_32k_ms": p(beside, 0.99) * 1e3,
             "long_prompts_sent": sent_long,
@@ -443,6 +467,13 @@ def report(results: dict[str, Any]) -> str:
             lambda v: (
                 f"{v['loop_lag']['over_5ms']:.0f} of {v['loop_lag']['ticks']:.0f}, "
                 f"≤ {v['loop_lag']['worst_bucket_le']} s"
+            ),
+        ),
+        (
+            "loop ticks > 5 ms late: small (control) / 8k conv / 32k conv / cold 8k / beside 32k",
+            lambda v: " / ".join(
+                f"{v[k]['loop_lag']['over_5ms']:.0f}"
+                for k in ("small", "conversations_8k", "conversations_32k", "cold_8k", "stall")
             ),
         ),
         (
