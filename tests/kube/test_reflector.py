@@ -7,6 +7,7 @@ import base64
 import contextlib
 import json
 import threading
+import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -262,4 +263,9 @@ def etcd_delete(kube_env: KubeEnv, key: str) -> None:
 @pytest.fixture(autouse=True)
 def _no_leftover_threads() -> Any:
     yield
+    # A stopped reflector waits stop_grace for its thread; a request still connecting then ends by
+    # its own timeout (see transfer.in_thread). What must not happen is a thread that never ends.
+    deadline = time.monotonic() + 5.0
+    while kube_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert kube_threads() == [], "a reflector thread outlived its test"
