@@ -149,10 +149,8 @@ class PrefixScorer:
             prompt = request.read_prompt()
             if prompt is None:
                 return Tokenized(model, None)
-            # The block keys too are computed in the worker, and remembered on the segments: the
-            # decision then finds them there instead of hashing a long new prompt on the loop.
-            keyed = (namespace_seed(model, request.cache_salt), _block_sizes(catalog, route))
             if not _renders_inline(prompt, request):
+                keyed = (namespace_seed(model, request.cache_salt), _block_sizes(catalog, route))
                 whole = await self.pool.run(lambda: _tokenize(model, tokenizer, prompt, keyed))
                 return whole if whole is not None else Tokenized(model, None)
             plan = tokenizer.prompt_plan(prompt)
@@ -162,7 +160,10 @@ class PrefixScorer:
                 path: SegmentPath | None = plan.finish(plan.encode(here=True))
             else:
                 # Remembered in the worker too: a prompt past its budget still teaches the tree,
-                # so the conversation's next turn is not cold again.
+                # so the conversation's next turn is not cold again. The block keys too are
+                # computed there and remembered on the segments: the decision then finds them
+                # instead of hashing a long new prompt on the loop.
+                keyed = (namespace_seed(model, request.cache_salt), _block_sizes(catalog, route))
                 path = await self.pool.run(lambda: _keyed(plan.finish(plan.encode()), keyed))
             return Tokenized(model, None) if path is None else Tokenized(model, path, path=path)
         except Exception as exc:
@@ -207,10 +208,11 @@ class PrefixScorer:
         cached: dict[EndpointAddress, int] = {}
         ranks: dict[EndpointAddress, int] = {}
         lower: dict[EndpointAddress, int] = {}
+        tokens: Sequence[int] | None = None
         if precise and (tokenized is None or tokenized.model != route.upstream_model):
             tokenized = self._tokens(route.upstream_model, request)
-        tokens = None if not precise or tokenized is None else tokenized.ids
-        if tokens is not None and tokenized is not None:
+        if precise and tokenized is not None and tokenized.ids is not None:
+            tokens = tokenized.ids
             mode = "precise"
             seed = namespace_seed(route.upstream_model, request.cache_salt)
             self._match_precise(catalog, seed, tokenized, precise, cached, ranks, lower)

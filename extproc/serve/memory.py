@@ -2,8 +2,8 @@
 
 **malloc_trim.** Give freed heap memory back to the system now and then (glibc's ``malloc_trim``).
 
-The prompt-piece cache (``--tokenize-cache-mb``) keeps replacing entries of a few hundred bytes to
-tens of kilobytes; glibc keeps the pages of the holes they leave, so serve's RSS creeps for a while
+The tokenizer's segment tree (``--tokenize-cache-mb``) keeps replacing entries of a few hundred
+bytes to tens of kilobytes; glibc keeps the pages of the holes they leave, so serve's RSS creeps for a while
 after the cache has filled (~2-3 MB for a full 64 MiB cache: the pages are free, not leaked).
 ``malloc_trim(0)`` hands whole free pages back; it took under 1 ms on that heap, in a worker thread.
 Where there is no glibc (musl), nothing is done.
@@ -84,8 +84,8 @@ def freeze_startup_heap() -> int:
 
 
 class GcWatch:
-    """Times each collection into ``seconds`` (labelled by generation) while installed, and keeps the
-    startup heap frozen (``keep_frozen``).
+    """Times each collection into ``seconds`` (labelled by generation) while installed and, given a
+    ``loop``, keeps the startup heap frozen (:func:`freeze_startup_heap`).
 
     A catalog file's reload thaws it (see ``extproc.sources.file``): then, right after the next full
     collection (which collected the cyclic garbage made meanwhile), the heap is frozen again, on

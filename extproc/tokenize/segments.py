@@ -51,10 +51,9 @@ EncodeBatch = Callable[[list[str]], Sequence[Sequence[int]]]
 
 @dataclass(frozen=True, slots=True)
 class Splitter:
-    """Cuts text at added tokens: ``pattern`` matches any of them, ``ids`` maps each to its id;
-    ``capture`` is ``pattern`` as a group, for ``re.split``."""
+    """Cuts text at added tokens: ``capture`` matches any of them as a group (for ``re.split``),
+    ``ids`` maps each to its id."""
 
-    pattern: re.Pattern[str]
     capture: re.Pattern[str]
     ids: dict[str, int]
 
@@ -99,8 +98,7 @@ def splitter_for(backend: tokenizers.Tokenizer) -> Splitter | None:
         if token.lstrip or token.rstrip or token.single_word or token.normalized:
             return None
     ids = {token.content: token_id for token_id, token in added.items()}
-    alternatives = trie_pattern(ids)
-    return Splitter(re.compile(alternatives), re.compile(f"({alternatives})"), ids)
+    return Splitter(re.compile(f"({trie_pattern(ids)})"), ids)
 
 
 def trie_pattern(words: Iterable[str]) -> str:
@@ -211,12 +209,12 @@ class EncodePlan:
     known: list[Segment]
     new: list[str]
     #: The new segments' pieces: text (to encode) and added tokens' ids.
-    pieces: list[list[str | int]] = field(default_factory=list)
+    pieces: list[list[str | int]]
+    #: The new segments' text pieces, in order: what :meth:`encode` encodes.
+    texts: list[str] = field(init=False)
 
-    @property
-    def texts(self) -> list[str]:
-        """The new segments' text pieces, in order: what :meth:`encode` encodes."""
-        return [p for pieces in self.pieces for p in pieces if isinstance(p, str)]
+    def __post_init__(self) -> None:
+        self.texts = [p for pieces in self.pieces for p in pieces if isinstance(p, str)]
 
     @property
     def new_chars(self) -> int:
