@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import resource
@@ -51,14 +52,27 @@ def large_catalog(services: int) -> bytes:
 
 
 class LagProbe:
-    """A 1 ms timer on the loop; ``worst`` is the latest it fired since the last ``reset``."""
+    """A 1 ms timer on the loop; ``worst`` is the latest it fired since the last ``reset``.
+
+    It also keeps the cyclic collector's pauses since the reset (``gc_pauses``, ms, the longest
+    first): a full collection holds the GIL, so it stalls the loop from whichever thread it runs in.
+    """
 
     def __init__(self) -> None:
         self.worst = 0.0
+        self.gc_pauses: list[float] = []
+        self._gc_started = 0.0
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.gc_pauses.append((time.perf_counter() - self._gc_started) * 1000)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -69,8 +83,13 @@ class LagProbe:
 
     def reset(self) -> None:
         self.worst = 0.0
+        self.gc_pauses = []
+
+    def longest_gc_pauses(self) -> list[float]:
+        return [round(ms, 1) for ms in sorted(self.gc_pauses, reverse=True)[:3]]
 
     async def stop(self) -> None:
+        gc.callbacks.remove(self._on_gc)
         if self._task is not None:
             self._task.cancel()
 
@@ -127,6 +146,7 @@ async def measure(services: int) -> dict[str, Any]:
                     "bytes": len(content),
                     "judged_after_s": round(judged, 2),
                     "worst_loop_lag_ms": round(probe.worst * 1000, 1),
+                    "longest_gc_pauses_ms": probe.longest_gc_pauses(),
                     "catalog_replaced": server.store.generation != generation,
                     "error": server.source.last_error,
                     "peak_rss_growth_mb": round(rss_mb() - rss_before, 1),
@@ -162,14 +182,14 @@ def report(results: dict[str, Any]) -> str:
         f"{provenance(m)}. The target (issue 14): no edit stalls decisions for more than 50 ms.",
         "",
         "| file | bytes | judged after s | worst loop lag ms | catalog replaced | routed sets after "
-        "| peak RSS growth MB |",
-        "|---|--:|--:|--:|---|--:|--:|",
+        "| peak RSS growth MB | longest GC pauses ms |",
+        "|---|--:|--:|--:|---|--:|--:|---|",
     ]
     for c in results["cases"]:
         lines.append(
             f"| {c['file']} | {c['bytes']:,} | {c['judged_after_s']} | {c['worst_loop_lag_ms']} | "
             f"{'yes' if c['catalog_replaced'] else 'no'} | {c['worker_sets_routed']} | "
-            f"{c['peak_rss_growth_mb']} |"
+            f"{c['peak_rss_growth_mb']} | {', '.join(map(str, c.get('longest_gc_pauses_ms', []))) or '-'} |"
         )
     lines += [
         "",
