@@ -68,6 +68,8 @@ STREAMS = 16
 STALL_SAMPLES = 1000
 #: Unique ~32k-token bodies prepared for the stall measure (it sends fewer: see "valid").
 LONG_BODIES = 400
+#: Next turns and cold prompts for the next-turn ratio, one stream: p50s of this many each.
+NEXT_TURN_SAMPLES = 200
 VARIANTS = {
     "inline": ["--tokenize-threads", "0"],
     "threads": [],
@@ -347,14 +349,14 @@ async def measure_variant(
         }
 
         conversation = Conversation(texts, 8_000)
-        next_turns = []
-        for _ in range(30):
-            body = conversation.body()
-            started = time.perf_counter()
-            await send(body)
-            next_turns.append(time.perf_counter() - started)
-        cold_bodies = iter([cold_body(texts, 8_000) for _ in range(30)])  # made outside the timing
-        colds = await latencies(lambda: send(next(cold_bodies)), 30)
+        turn_bodies = []
+        for _ in range(NEXT_TURN_SAMPLES):  # made outside the timing, as the cold ones below
+            turn_bodies.append(conversation.body())
+        turns_left = iter(turn_bodies)
+        cold_bodies = iter([cold_body(texts, 8_000) for _ in range(NEXT_TURN_SAMPLES)])
+        async with profiler.around("next_turn"):
+            next_turns = await latencies(lambda: send(next(turns_left)), NEXT_TURN_SAMPLES)
+            colds = await latencies(lambda: send(next(cold_bodies)), NEXT_TURN_SAMPLES)
         out["next_turn"] = {"p50_next_turn_ms": p(next_turns, 0.5) * 1e3, "p50_cold_ms": p(colds, 0.5) * 1e3}
     return out
 

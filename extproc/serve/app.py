@@ -125,7 +125,7 @@ class Server:
             raise
         self._watch = asyncio.create_task(self.source.watch(self._publish), name="catalog-source")
         self._loop_lag = asyncio.create_task(watch_loop_lag(self.metrics.loop_lag), name="loop-lag")
-        self._gc_watch = GcWatch(self.metrics.gc_pause_seconds, asyncio.get_running_loop())
+        self._gc_watch = GcWatch(self.metrics.gc_pause_seconds)
         self._gc_watch.install()
         if self.settings.malloc_trim_interval > 0:
             self._trim = asyncio.create_task(

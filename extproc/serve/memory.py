@@ -84,20 +84,15 @@ def freeze_startup_heap() -> int:
 
 
 class GcWatch:
-    """Times each collection into ``seconds`` (labelled by generation) while installed and, given a
-    ``loop``, keeps the startup heap frozen (:func:`freeze_startup_heap`).
+    """Times each collection into ``seconds`` (labelled by generation) while installed.
 
-    A catalog file's reload thaws it (see ``extproc.sources.file``): then, right after the next full
-    collection (which collected the cyclic garbage made meanwhile), the heap is frozen again, on
-    ``loop``; only garbage made in that instant can escape collection.
+    Nothing here thaws the frozen heap: a catalog reload freezes what it adds after collecting
+    (see ``extproc.sources.file``), so full collections keep walking only what is young.
     """
 
-    def __init__(self, seconds: Histogram, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, seconds: Histogram) -> None:
         self._seconds = seconds
-        self._loop = loop
         self._started = 0.0
-        #: Times the heap was frozen again after a thaw.
-        self.refrozen = 0
 
     def install(self) -> None:
         if self._on_collect not in gc.callbacks:
@@ -111,16 +106,6 @@ class GcWatch:
         if phase == "start":
             self._started = time.perf_counter()
             return
-        generation = info.get("generation")
         if self._started:
-            self._seconds.labels(str(generation)).observe(time.perf_counter() - self._started)
+            self._seconds.labels(str(info.get("generation"))).observe(time.perf_counter() - self._started)
             self._started = 0.0
-        if generation == 2 and self._loop is not None and gc.get_freeze_count() == 0:
-            # Not from inside the collector (it may run in any thread): on the loop, next.
-            self._loop.call_soon_threadsafe(self._refreeze)
-
-    def _refreeze(self) -> None:
-        if gc.get_freeze_count() == 0:
-            gc.freeze()
-            self.refrozen += 1
-            log.info("heap frozen again after a full collection objects=%d", gc.get_freeze_count())

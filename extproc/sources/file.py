@@ -114,32 +114,37 @@ def _release_objects(retired: list[dict[ObjectKey, Resource]]) -> None:
             objects.popitem()
 
 
+#: A generation-2 threshold no parse reaches: full collections wait until the parse is over.
+_NO_FULL_COLLECTION = 1 << 30
+
+
 @contextlib.contextmanager
 def _collection_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a catalog is parsed in its worker thread.
+    """No full collection of cyclic garbage while a catalog is parsed in its worker thread.
 
     Parsing a large file allocates millions of objects, and each full collection that triggers
     walks all of them while holding the GIL: the event loop (every decision) waited up to ~400 ms
-    for one (bench/results/catalog_stall.md). Parsed YAML holds no cycles, so nothing is lost by
-    collecting after the parse instead. The pause is process-wide, for as long as a parse takes
-    (about 10 s for a file at the 16 MiB default of --max-catalog-bytes).
+    for one (bench/results/catalog_stall.md). Young collections go on meanwhile: each walks only
+    what was allocated since the one before (thousands of objects, well under a millisecond), so
+    requests' garbage is still collected, and the parse's objects reach the oldest generation a few
+    at a time instead of all at once when it ends.
 
-    Afterwards everything the parse allocated still counts as young, and the first collection
-    after enabling would walk all of it at once (~60 ms). A freeze immediately undone moves every
-    tracked object to the oldest generation without walking any (two list splices), so they are
-    examined only by a later full collection, whose cost any process of that size pays anyway.
-    That also thaws a heap serve froze at start; serve freezes it again after that collection
-    (:class:`extproc.serve.memory.GcWatch`), once the garbage made meanwhile is collected.
+    A process that keeps its heap frozen (serve: :func:`extproc.serve.memory.freeze_startup_heap`)
+    gets the new catalog frozen too, right after one full collection of what is not frozen yet:
+    walking the new catalog once is what a reload pauses the loop for. (Thawing the heap instead,
+    as this did before, left the next full collection to walk everything, the tokenizers and the
+    startup heap included.) What requests in flight hold at that instant is frozen with it, once
+    per reload.
     """
-    enabled = gc.isenabled()
-    gc.disable()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(thresholds[0], thresholds[1], _NO_FULL_COLLECTION)
     try:
         yield
     finally:
-        gc.freeze()
-        gc.unfreeze()
-        if enabled:
-            gc.enable()
+        gc.set_threshold(*thresholds)
+        if gc.get_freeze_count():
+            gc.collect()
+            gc.freeze()
 
 
 def _read(path: Path, max_bytes: int) -> _Read:

@@ -314,6 +314,34 @@ async def test_reloads_leave_garbage_collection_working(catalog_file: Path) -> N
     assert probe() is None
 
 
+def test_a_reload_in_a_process_that_keeps_its_heap_frozen_freezes_the_new_catalog(
+    catalog_file: Path,
+) -> None:
+    """serve freezes its startup heap; a reload must not thaw it (the next full collection would
+    walk it all), and it collects the garbage made before freezing what it added."""
+    source = source_for(catalog_file)
+    first = source.load()
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        probe = weakref.ref(_Cyclic())
+        docs = fixture_docs()
+        find(docs, "Service", "qwen-2-7b")["metadata"]["labels"] = {"edit": "1"}
+        write(catalog_file, docs)
+        catalog = source.poll()
+        assert catalog is not None and sorted(catalog.worker_sets) == [LLAMA, QWEN]
+        assert catalog.worker_sets[QWEN] is not first.worker_sets[QWEN]  # built by this reload
+        assert probe() is None  # collected, not frozen
+        assert gc.get_freeze_count() > frozen
+        young = {id(o) for o in gc.get_objects()}
+        assert id(catalog.worker_sets[QWEN]) not in young  # frozen with the rest
+        assert gc.get_threshold() == thresholds
+    finally:
+        gc.unfreeze()
+
+
 class _Cyclic:
     """Garbage only the cycle collector can free."""
 
