@@ -17,8 +17,11 @@ the small one, so no cache of whole bodies can help. Measured, per `serve` varia
   message) against p50 of cold ~8k prompts;
 - **event loop**: `serve`'s own ``extproc_event_loop_lag_seconds``: the 10 ms timer ticks more
   than 5 ms late over the whole run, and the largest bucket reached; also per measure, with the
-  first small one (no tokenizing at all) as the control for what the machine alone costs; and the
-  full garbage collections (``extproc_gc_pause_seconds``), which stop the loop too.
+  first small one (no tokenizing at all) as the control for what the machine alone costs; the
+  full garbage collections (``extproc_gc_pause_seconds``), which stop the loop too; and, directly,
+  how long each prompt's tokenization held the loop (``extproc_tokenize_loop_seconds``): the
+  timer's lateness adds up everything that ran before it (several requests, collections, the
+  machine's other threads), the hold is tokenizing alone.
 
 Variants: ``inline`` (``--tokenize-threads 0``: tokenized on the event loop, as before), ``threads``
 (the default: worker threads, bounded) and ``processes`` (``--tokenize-processes 2``: two worker
@@ -151,27 +154,39 @@ def cold_body(texts: Texts, tokens: int) -> bytes:
     return orjson.dumps({"model": MODEL, "messages": messages, "max_tokens": 64})
 
 
-async def loop_lag(admin_port: int) -> dict[str, float]:
-    """Bucket counts of serve's ``extproc_event_loop_lag_seconds`` (cumulative, by ``le``)."""
+#: The loop's lag (a 10 ms timer's lateness), and how long each prompt's tokenization held it.
+LOOP_HISTOGRAMS = ("extproc_event_loop_lag_seconds", "extproc_tokenize_loop_seconds")
+
+
+async def loop_lag(admin_port: int) -> dict[str, dict[str, float]]:
+    """Bucket counts (cumulative, by ``le``) of serve's LOOP_HISTOGRAMS, by name."""
     async with (
         aiohttp.ClientSession() as session,
         session.get(f"http://127.0.0.1:{admin_port}/metrics") as resp,
     ):
         text = await resp.text()
-    buckets: dict[str, float] = {}
+    buckets: dict[str, dict[str, float]] = {name: {} for name in LOOP_HISTOGRAMS}
     for line in text.splitlines():
-        if line.startswith("extproc_event_loop_lag_seconds_bucket{"):
+        name = line.split("_bucket{", 1)[0]
+        if name in buckets and "_bucket{" in line:
             le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets[le] = float(line.rsplit(" ", 1)[1])
+            buckets[name][le] = float(line.rsplit(" ", 1)[1])
     return buckets
 
 
-def lag_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    delta = {le: after[le] - before.get(le, 0.0) for le in after}
-    total = delta.get("+Inf", 0.0)
-    over_5ms = total - delta.get("0.005", 0.0)
-    worst = next((le for le in sorted(delta, key=lambda x: float(x)) if delta[le] == total), "+Inf")
-    return {"ticks": total, "over_5ms": over_5ms, "worst_bucket_le": worst}
+def lag_summary(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The timer's ticks, how many were over 5 ms late, and the largest bucket reached; the same
+    of the prompts' holds of the loop (``hold_*``)."""
+    out: dict[str, Any] = {}
+    for name, prefix in zip(LOOP_HISTOGRAMS, ("", "hold_"), strict=True):
+        delta = {le: after[name][le] - before[name].get(le, 0.0) for le in after[name]}
+        total = delta.get("+Inf", 0.0)
+        over_5ms = total - delta.get("0.005", 0.0)
+        worst = next((le for le in sorted(delta, key=lambda x: float(x)) if delta[le] == total), "+Inf")
+        out[prefix + ("ticks" if not prefix else "prompts")] = total
+        out[prefix + "over_5ms"] = over_5ms
+        out[prefix + "worst_bucket_le"] = worst
+    return out
 
 
 def gc_summary(samples: dict[str, float]) -> dict[str, float]:
@@ -476,6 +491,13 @@ def report(results: dict[str, Any]) -> str:
             lambda v: " / ".join(
                 f"{v[k]['loop_lag']['over_5ms']:.0f}"
                 for k in ("small", "conversations_8k", "conversations_32k", "cold_8k", "stall")
+            ),
+        ),
+        (
+            "prompts whose tokenization held the loop > 5 ms (of all), longest bucket",
+            lambda v: (
+                f"{v['loop_lag']['hold_over_5ms']:.0f} of {v['loop_lag']['hold_prompts']:.0f}, "
+                f"≤ {v['loop_lag']['hold_worst_bucket_le']} s"
             ),
         ),
         (

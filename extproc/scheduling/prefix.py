@@ -20,6 +20,7 @@ as :class:`Tokenized`; without one, ``match`` tokenizes inline.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import time
@@ -89,10 +90,28 @@ class Tokenized:
     path: SegmentPath | None = None
 
 
+#: Upper bounds (seconds) of the buckets of :class:`LoopHold`.
+LOOP_HOLD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+@dataclass(slots=True)
+class LoopHold:
+    """How long each request's tokenization held the event loop: a histogram (per bucket of
+    LOOP_HOLD_BUCKETS, the last for longer ones) and the sum."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LOOP_HOLD_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LOOP_HOLD_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+
 @dataclass(slots=True)
 class PrefixCounters:
     lookups: dict[str, int] = field(default_factory=lambda: {"precise": 0, "approximate": 0, "none": 0})
     tokenize_errors: int = 0
+    loop_hold: LoopHold = field(default_factory=LoopHold)
 
 
 class PrefixScorer:
@@ -136,8 +155,11 @@ class PrefixScorer:
     ) -> Tokenized:
         """The prompt's ids, computed in the pool (see :mod:`extproc.tokenize.pool`).
 
-        In worker processes, given the ``catalog``, the block keys of every block size the route's
-        KV-event sets use are computed there too, so the decision only looks them up.
+        What is cheap runs here, on the loop: rendering a chat prompt of moderate size, finding its
+        known prefix in the segment tree, encoding a short new part (see INLINE_PROMPT_CHARS). How
+        long that held the loop is observed in :attr:`PrefixCounters.loop_hold`. The rest goes to
+        the pool. In worker processes, given the ``catalog``, the block keys of every block size the
+        route's KV-event sets use are computed there too, so the decision only looks them up.
         """
         model = route.upstream_model
         tokenizer = self._tokenizer(model)
@@ -146,26 +168,15 @@ class PrefixScorer:
         try:
             if self.pool.in_processes and request.body:
                 return await self._tokenized_in_process(model, request, _block_sizes(catalog, route))
-            prompt = request.read_prompt()
-            if prompt is None:
-                return Tokenized(model, None)
-            if not _renders_inline(prompt, request):
-                keyed = (namespace_seed(model, request.cache_salt), _block_sizes(catalog, route))
-                whole = await self.pool.run(lambda: _tokenize(model, tokenizer, prompt, keyed))
-                return whole if whole is not None else Tokenized(model, None)
-            plan = tokenizer.prompt_plan(prompt)
-            if plan is None:
-                return Tokenized(model, await self.pool.run(lambda: tokenizer.prompt_ids(prompt)))
-            if plan.new_chars < INLINE_PROMPT_CHARS:
-                path: SegmentPath | None = plan.finish(plan.encode(here=True))
-            else:
-                # Remembered in the worker too: a prompt past its budget still teaches the tree,
-                # so the conversation's next turn is not cold again. The block keys too are
-                # computed there and remembered on the segments: the decision then finds them
-                # instead of hashing a long new prompt on the loop.
-                keyed = (namespace_seed(model, request.cache_salt), _block_sizes(catalog, route))
-                path = await self.pool.run(lambda: _keyed(plan.finish(plan.encode()), keyed))
-            return Tokenized(model, None) if path is None else Tokenized(model, path, path=path)
+            started = time.perf_counter()
+            try:
+                step = _tokenize_here(model, tokenizer, request, catalog, route)
+            finally:
+                self.counters.loop_hold.observe(time.perf_counter() - started)
+            if isinstance(step, Tokenized):
+                return step
+            done = await self.pool.run(step)
+            return done if done is not None else Tokenized(model, None)
         except Exception as exc:
             self._tokenize_failed(model, exc)
             return Tokenized(model, None)
@@ -210,7 +221,9 @@ class PrefixScorer:
         lower: dict[EndpointAddress, int] = {}
         tokens: Sequence[int] | None = None
         if precise and (tokenized is None or tokenized.model != route.upstream_model):
+            started = time.perf_counter()
             tokenized = self._tokens(route.upstream_model, request)
+            self.counters.loop_hold.observe(time.perf_counter() - started)
         if precise and tokenized is not None and tokenized.ids is not None:
             tokens = tokenized.ids
             mode = "precise"
@@ -312,6 +325,35 @@ class PrefixScorer:
                 ranks[address] = rank
             if reach > held:
                 lower[address] = reach - held
+
+
+def _tokenize_here(
+    model: str, tokenizer: ModelTokenizer, request: InferenceRequest, catalog: Catalog | None, route: Route
+) -> Tokenized | Callable[[], Tokenized]:
+    """What of tokenizing ``request`` runs on the loop: the result, or the call left for the pool."""
+    prompt = request.read_prompt()
+    if prompt is None:
+        return Tokenized(model, None)
+    if not _renders_inline(prompt, request):
+        keyed = (namespace_seed(model, request.cache_salt), _block_sizes(catalog, route))
+        return lambda: _tokenize(model, tokenizer, prompt, keyed)
+    plan = tokenizer.prompt_plan(prompt)
+    if plan is None:
+        return lambda: Tokenized(model, tokenizer.prompt_ids(prompt))
+    if plan.new_chars < INLINE_PROMPT_CHARS:
+        path = plan.finish(plan.encode(here=True))
+        return Tokenized(model, path, path=path)
+    # Remembered in the worker too: a prompt past its budget still teaches the tree, so the
+    # conversation's next turn is not cold again. The block keys too are computed there and
+    # remembered on the segments: the decision then finds them instead of hashing a long new
+    # prompt on the loop.
+    keyed = (namespace_seed(model, request.cache_salt), _block_sizes(catalog, route))
+
+    def encode_and_key() -> Tokenized:
+        path = _keyed(plan.finish(plan.encode()), keyed)
+        return Tokenized(model, path, path=path)
+
+    return encode_and_key
 
 
 def _tokenize(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from extproc.catalog.model import Catalog
@@ -21,7 +21,7 @@ from extproc.kvindex.follow import KVEventsFollower
 from extproc.kvindex.index import PrefixIndex
 from extproc.kvindex.ingest import IndexIngest
 from extproc.kvindex.subscriptions import KVSubscriptions
-from extproc.scheduling.prefix import PrefixScorer
+from extproc.scheduling.prefix import LOOP_HOLD_BUCKETS, PrefixScorer
 from extproc.settings import PrefixSettings
 from extproc.tokenize.pool import TokenizePool
 from extproc.tokenize.registry import TokenizerRegistry
@@ -176,6 +176,19 @@ class PrefixCollector(Collector):
                 "Prompts being tokenized or waiting for a thread.",
                 value=pool.pending,
             )
+        hold = r.scorer.counters.loop_hold
+        cumulative, buckets = 0, []
+        for bound, count in zip((*LOOP_HOLD_BUCKETS, float("inf")), hold.counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        yield HistogramMetricFamily(
+            "extproc_tokenize_loop_seconds",
+            "How long each prompt's tokenization held the event loop (rendering, finding its "
+            "known prefix, encoding a short new part; with --tokenize-threads 0, all of it; the "
+            "rest runs in the pool). Every decision in flight waits that long.",
+            buckets=buckets,
+            sum_value=hold.total,
+        )
         lookups_cached = CounterMetricFamily(
             "extproc_tokenize_cache_lookups",
             "Prompt pieces (text between added tokens) looked up in a model's cache of their ids: a "

@@ -614,3 +614,22 @@ async def test_a_prompt_past_its_budget_still_teaches_the_tree() -> None:
     finally:
         busy.set()
         pool.close()
+
+
+async def test_how_long_tokenizing_held_the_loop_is_observed_once_per_prompt() -> None:
+    """A conversation's next turn is walked and encoded on the loop, a long new prompt is encoded
+    in the pool: either way the time the loop was held is one observation per prompt."""
+    pool = TokenizePool(threads=1)
+    router = Router(pool=pool, registry=with_segment_tree())
+    try:
+        route = router.route(LLAMA)
+        history = [{"role": "system", "content": LONG * 20}]
+        for turn in ("Hi", "And then?", LONG * 20):
+            payload = {"messages": [*history, {"role": "user", "content": turn}]}
+            request = read_request(CHAT, {"model": LLAMA, **payload})
+            tokenized = await router.scorer.prompt_tokens(route, request)
+            assert list(tokenized.ids or []) == engine_tokens(CHAT, payload)
+        hold = router.scorer.counters.loop_hold
+        assert sum(hold.counts) == 3 and hold.total > 0
+    finally:
+        pool.close()
