@@ -13,7 +13,9 @@ it stops sending, lets the last answers finish, and reads the in-flight count on
 Pass: 0 errors (any status but 200, or a failed connection, on a request the client did not
 abandon), RSS growth after the warm-up within 5 MB/h (least-squares slope over the samples), and
 in-flight back to 0. The run is *invalid* (the machine could not keep up, so it proves nothing) when
-the achieved rate falls under 95% of the target or the client's p99 lag exceeds 100 ms.
+the achieved rate falls under 95% of the target, the client's p99 lag exceeds 100 ms, or the engines
+fell behind: the median in-flight count of the last third after the warm-up is over twice the
+first third's (plus 20), so requests queue up in serve and RSS grows with the queue.
 
 Writes ``bench/results/soak.{json,md}`` (``--out`` to write elsewhere).
 
@@ -64,6 +66,10 @@ LONG_CHARS = 16_000
 DOCUMENTS = 8
 #: Lag and rate limits past which the run proves nothing.
 MAX_P99_LAG_S = 0.1
+#: In flight in the last third after the warm-up above this many times the first third's, plus
+#: BACKLOG_SLACK: the engines fell behind and requests queue up, so the run proves nothing.
+MAX_BACKLOG_GROWTH = 2.0
+BACKLOG_SLACK = 20
 MIN_RATE_SHARE = 0.95
 MAX_RSS_SLOPE_MB_PER_H = 5.0
 
@@ -301,6 +307,14 @@ def caches_full_at(samples: list[dict[str, Any]]) -> float:
     return next((at for at, mb in held if most and mb >= 0.95 * most), 0.0)
 
 
+def backlog_growth(in_flight: list[float]) -> tuple[float, float] | None:
+    """The median in-flight count over the first and over the last third of ``in_flight``."""
+    third = len(in_flight) // 3
+    if third < 3:
+        return None
+    return statistics.median(in_flight[:third]), statistics.median(in_flight[-third:])
+
+
 def judge(result: dict[str, Any], warmup: float) -> dict[str, Any]:
     """Add the RSS slope after the warm-up and the verdict to a soak's result.
 
@@ -310,6 +324,16 @@ def judge(result: dict[str, Any], warmup: float) -> dict[str, Any]:
     after_warmup = [(s["at_s"], s["rss_mb"]) for s in result["samples"] if s["at_s"] >= warmup]
     slope = slope_per_hour(after_warmup)
     result["warmup_s"] = warmup
+    backlog = backlog_growth([s["in_flight"] for s in result["samples"] if s["at_s"] >= warmup])
+    result["in_flight_median_first_last_third"] = backlog
+    if backlog is not None and backlog[1] > MAX_BACKLOG_GROWTH * backlog[0] + BACKLOG_SLACK:
+        # Requests queue up in serve (bodies, prompts, streams) while the engines fall behind:
+        # RSS then grows with the queue, and its slope says nothing about leaks.
+        result["invalid"] = [
+            *[i for i in result["invalid"] if not i.startswith("in flight grew")],
+            f"in flight grew from a median of {backlog[0]:g} to {backlog[1]:g} after the warm-up "
+            "(the engines fell behind the schedule)",
+        ]
     result["rss_slope_mb_per_h_after_warmup"] = None if slope is None else round(slope, 2)
     result["passed"] = (
         not result["invalid"]
@@ -352,6 +376,13 @@ def report(results: dict[str, Any]) -> str:
         f"| serve RSS start -> end | {r['rss_start_mb']} -> {r['rss_end_mb']} MB |",
         f"| RSS slope after warm-up | {r['rss_slope_mb_per_h_after_warmup']} MB/h |",
         f"| in flight at the end | {r['in_flight_at_end']:g} |",
+        "| in flight after warm-up, median of the first / last third | "
+        + (
+            " / ".join(f"{x:g}" for x in r["in_flight_median_first_last_third"])
+            if r.get("in_flight_median_first_last_third")
+            else "-"
+        )
+        + " |",
         *(
             [
                 "| ext_proc streams closed / reset by Envoy | "
