@@ -522,7 +522,24 @@ def report(results: dict[str, Any]) -> str:
     lines += ["", "| raw | " + " | ".join(names) + " |", "|---|" + "--:|" * len(names)]
     for label, cell in raw:
         lines.append(f"| {label} | " + " | ".join(cell(results["variants"][n]) for n in names) + " |")
+    unsteady = [n for n in names if unsteady_small(results["variants"][n])]
+    if unsteady:
+        lines += [
+            "",
+            f"**UNSTEADY machine** ({', '.join(unsteady)}): the small reference, measured three times, "
+            f"varied by more than {MAX_SMALL_SPREAD:.0%} (the 'small decisions/s' row), so the machine's "
+            "speed changed during the run and the ratios built on it are unreliable.",
+        ]
     return "\n".join(lines) + "\n"
+
+
+#: The small reference's runs may differ by this share of their mean; more: the machine was unsteady.
+MAX_SMALL_SPREAD = 0.25
+
+
+def unsteady_small(variant: dict[str, Any]) -> bool:
+    runs = variant["small"]["runs_per_s"]
+    return (max(runs) - min(runs)) > MAX_SMALL_SPREAD * statistics.fmean(runs)
 
 
 def main() -> None:
