@@ -52,10 +52,13 @@ PrefixMode = Literal["precise", "approximate", "none"]
 #: holds for what a prompt adds to its known prefix (see :mod:`extproc.tokenize.segments`).
 INLINE_PROMPT_CHARS = 4096
 #: Chat prompts up to this many messages and body bytes are rendered and looked up in the segment
-#: tree on the loop (~2.5 µs a message: 200 messages, 80 kB, ~0.6 ms); only what they add is encoded
-#: in a worker. Larger ones are rendered in a worker too, so no body can stall the loop for long.
+#: tree on the loop (~2.5 µs a message and ~2.5 ns a character to cut: 120 messages, 65 kB, ~0.6 ms);
+#: only what they add is encoded in a worker. Larger ones are rendered in a worker too, so no body
+#: can stall the loop for long: with 1 MiB, ~32k-token conversations held the loop over 5 ms in 5%
+#: of turns on a slow machine, and with 128 kiB none did, at the same decisions/s
+#: (bench/results/long_prompts.md).
 INLINE_RENDER_MESSAGES = 512
-INLINE_RENDER_BYTES = 1 << 20
+INLINE_RENDER_BYTES = 128 << 10
 
 
 @dataclass(frozen=True, slots=True)
