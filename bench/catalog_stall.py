@@ -9,8 +9,8 @@ gives the worst lag seen from the edit until AFTER_S seconds after the source ha
 whether the catalog in use changed, the longest collector pauses, and the peak RSS growth.
 
 Requests leave cyclic garbage behind, and that is what makes the collector run: a task on the loop
-stands in for them (``GARBAGE_PER_S`` small reference cycles a second, about what 100 requests/s
-leave), so collections happen during and after a reload as they would under traffic.
+stands in for them (``GARBAGE_PER_S`` small reference cycles a second, a rough stand-in, not a
+measured figure), so collections happen during and after a reload as they would under traffic.
 Writes ``bench/results/catalog_stall.{json,md}``.
 
     python bench/catalog_stall.py [--services 8000]
