@@ -224,9 +224,7 @@ class PrefixScorer:
         lower: dict[EndpointAddress, int] = {}
         tokens: Sequence[int] | None = None
         if precise and (tokenized is None or tokenized.model != route.upstream_model):
-            started = time.perf_counter()
             tokenized = self._tokens(route.upstream_model, request)
-            self.counters.loop_hold.observe(time.perf_counter() - started)
         if precise and tokenized is not None and tokenized.ids is not None:
             tokens = tokenized.ids
             mode = "precise"
@@ -260,11 +258,14 @@ class PrefixScorer:
         tokenizer = self._tokenizer(model)
         if tokenizer is None:
             return None
+        started = time.perf_counter()
         try:
             prompt = request.read_prompt()
             return None if prompt is None else _tokenize(model, tokenizer, prompt)
         except Exception as exc:
             self._tokenize_failed(model, exc)
+        finally:
+            self.counters.loop_hold.observe(time.perf_counter() - started)
         return None
 
     def _tokenize_failed(self, model: str, exc: Exception) -> None:

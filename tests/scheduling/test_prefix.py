@@ -633,3 +633,11 @@ async def test_how_long_tokenizing_held_the_loop_is_observed_once_per_prompt() -
         assert sum(hold.counts) == 3 and hold.total > 0
     finally:
         pool.close()
+
+
+def test_without_a_pool_tokenizing_in_the_decision_is_observed_as_holding_the_loop() -> None:
+    router = Router()
+    payload = {"messages": [{"role": "user", "content": "Hi"}]}
+    assert router.match(LLAMA, CHAT, payload).mode == "precise"
+    hold = router.scorer.counters.loop_hold
+    assert sum(hold.counts) == 1 and hold.total > 0
