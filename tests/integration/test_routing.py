@@ -35,9 +35,12 @@ async def post(session: aiohttp.ClientSession, url: str, payload: Any, **kw: Any
         return r.status, (json.loads(body) if r.content_type == "application/json" else body)
 
 
-def slow_stream(session: aiohttp.ClientSession, url: str, model: str, *, chunks: int) -> Any:
-    """A streamed completion the fake pod drips out at 20 chunks/s, to hold a request open."""
-    headers = {"x-backend-chunks": str(chunks), "x-backend-chunk-delay": "0.05"}
+def slow_stream(
+    session: aiohttp.ClientSession, url: str, model: str, *, chunks: int, chunk_delay: float = 0.05
+) -> Any:
+    """A streamed completion the fake pod drips out one chunk per ``chunk_delay`` s, to hold a
+    request open."""
+    headers = {"x-backend-chunks": str(chunks), "x-backend-chunk-delay": str(chunk_delay)}
     return session.post(url + CHAT, json=chat(model, stream=True), headers=headers)
 
 
@@ -295,9 +298,14 @@ async def test_more_concurrent_streams_than_envoys_default_circuit_breakers(
     cluster, which every request in flight holds twice (its accounting stream and its pod)."""
     gw = await routed_gateway()
     streams = 1_100
+    # One chunk per stream every 2 s: the test is about how many are open at once, and the client,
+    # the pods and the picker share this process (20 chunks/s each would be 22,000/s through it).
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as s:
-        opened = [await slow_stream(s, gw.url, "chat", chunks=2_000).__aenter__() for _ in range(streams)]
+        opened = [
+            await slow_stream(s, gw.url, "chat", chunks=100, chunk_delay=2.0).__aenter__()
+            for _ in range(streams)
+        ]
         try:
             statuses = Counter(r.status for r in opened)
             assert statuses == {200: streams}, statuses
