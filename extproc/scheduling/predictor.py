@@ -44,7 +44,16 @@ queued or prefilling ahead adds ``T / rate`` plus its share of steps, and every 
 the batch cap adds ``O x step(S) / S`` more, so once a prefix holder's queue costs more than the
 cold pods' full prefill, a cold pod ranks first.
 
-**Ties**: predictions within ``max(5 %, 1 ms)`` of the best remaining one form a group shuffled
+**Ranking cost**: candidates rank by ``cost = TTFT + prefill_work_weight x max(U, 1) / rate``, not
+by TTFT alone. TTFT is what this request waits; the second term is the compute the pick spends on
+it, which every request arriving at that pod during the prefill waits for too, and which (when
+another pod holds the prefix) stores a second copy of blocks the fleet already caches, evicting
+something else. Greedy TTFT undercharges a cold pod exactly by that externality: in the offline
+Mooncake replay it sent 104 of 3,000 requests (2.1% of all prompt tokens) away from a pod that held
+their prefix. Weight 1 (the default) kept the fleet's hit rate 1.1 points higher at a lower mean
+TTFT (``bench/results/replay_offline.md``); 0 ranks by TTFT alone.
+
+**Ties**: costs within ``max(5 %, 1 ms)`` of the best remaining one form a group shuffled
 with ``rng`` (seeded: reproducible); the prediction error is larger than that.
 
 Approximations (documented, deliberate): requests ahead have a typical prompt, fully uncached;
@@ -89,6 +98,9 @@ class Prediction:
     work_tokens: float = 0.0
     #: The part of ``ttft_s`` that scales with the step cost (``decode_base_ms``, ``decode_per_seq_ms``).
     step_s: float = 0.0
+    #: What ranking compares: ``ttft_s`` plus the weighted prefill compute the pick spends (module
+    #: docstring, *Ranking cost*).
+    cost_s: float = 0.0
 
 
 def effective_cached_tokens(gpu_tokens: int, lower_tokens: int, profile: Profile) -> int:
@@ -145,13 +157,14 @@ def predict(request: RequestFacts, candidate: Candidate, profile: Profile) -> Pr
     step = p.step_s(decoding)
     residual = step / 2 if load > 0 else 0.0
     stepped = residual + wait + math.ceil(work / chunk - 1e-9) * step
-    return Prediction(
-        work / p.prefill_tokens_per_s + stepped, uncached, load, saturated, work_tokens=work, step_s=stepped
-    )
+    ttft = work / p.prefill_tokens_per_s + stepped
+    spent = p.prefill_work_weight * max(uncached, 1) / p.prefill_tokens_per_s
+    return Prediction(ttft, uncached, load, saturated, work_tokens=work, step_s=stepped, cost_s=ttft + spent)
 
 
 class PredictedTTFT:
-    """Lowest predicted time to first token first; near-ties at random; saturated endpoints last.
+    """Lowest ranking cost (predicted time to first token plus the prefill work spent) first;
+    near-ties at random; saturated endpoints last.
 
     Sheds (429) when every candidate is saturated. Notes the pick's prediction as
     ``x-extproc-predicted-ttft-ms`` and hands the scheduler the pick's predicted prefill.
@@ -182,24 +195,24 @@ class PredictedTTFT:
     def ordered(
         self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random
     ) -> list[tuple[Prediction, Candidate]]:
-        """Every candidate with its prediction, best first: open ones by TTFT, then saturated ones."""
+        """Every candidate with its prediction, best first: open ones by cost, then saturated ones."""
         scored = [(predict(request, c, self.profile_of(c.endpoint)), c) for c in candidates]
-        open_ = sorted((s for s in scored if not s[0].saturated), key=lambda s: s[0].ttft_s)
-        full = sorted((s for s in scored if s[0].saturated), key=lambda s: s[0].ttft_s)
+        open_ = sorted((s for s in scored if not s[0].saturated), key=lambda s: s[0].cost_s)
+        full = sorted((s for s in scored if s[0].saturated), key=lambda s: s[0].cost_s)
         return _shuffle_ties(open_, rng) + _shuffle_ties(full, rng)
 
 
 def _shuffle_ties(
     ordered: list[tuple[Prediction, Candidate]], rng: random.Random
 ) -> list[tuple[Prediction, Candidate]]:
-    """Shuffle each run of predictions within the tie tolerance of the run's first (best) one."""
+    """Shuffle each run of costs within the tie tolerance of the run's first (best) one."""
     result: list[tuple[Prediction, Candidate]] = []
     start = 0
     while start < len(ordered):
-        best = ordered[start][0].ttft_s
+        best = ordered[start][0].cost_s
         limit = best + max(TIE_RELATIVE * best, TIE_ABSOLUTE_S)
         end = start + 1
-        while end < len(ordered) and ordered[end][0].ttft_s <= limit:
+        while end < len(ordered) and ordered[end][0].cost_s <= limit:
             end += 1
         group = ordered[start:end]
         rng.shuffle(group)

@@ -26,6 +26,9 @@ File format (``--profiles PATH``)::
         queue_limit: 32                 # optional, >= 0: waiting requests per endpoint beyond
                                         # which it is saturated (all saturated -> 429); null = never
         lower_tier_hit_weight: 0.8      # 0-1: a CPU-tier cached token's worth vs a GPU one
+        prefill_work_weight: 1.0        # >= 0: each second of prefill compute a pick spends
+                                        # counts this much against it, besides its TTFT; 0 ranks
+                                        # by predicted TTFT alone
         typical_prompt_tokens: 512      # >= 1: prompt assumed when unknown, and the prefill work
                                         # assumed for each request ahead whose prompt is unknown
         typical_output_tokens: 256      # >= 1: decode length assumed for requests ahead
@@ -90,6 +93,10 @@ class Profile:
     queue_limit: int | None = None
     #: What a lower-tier (CPU, storage) cached token is worth relative to a GPU one, 0-1.
     lower_tier_hit_weight: float = 0.8
+    #: Ranking charges each pick ``prefill_work_weight x uncached prompt tokens / prefill_tokens_per_s``
+    #: on top of its predicted TTFT: recomputing a prefix that another pod holds delays every later
+    #: request on the pod that does it, and leaves two copies where one would do (see the predictor).
+    prefill_work_weight: float = 1.0
     #: Prompt tokens assumed when a request's prompt is unknown, and the prefill per request ahead.
     typical_prompt_tokens: int = 512
     #: Output tokens assumed for requests ahead (how long a seat stays taken).
@@ -112,7 +119,13 @@ class Profile:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-_FLOATS = {"prefill_tokens_per_s", "decode_base_ms", "decode_per_seq_ms", "lower_tier_hit_weight"}
+_FLOATS = {
+    "prefill_tokens_per_s",
+    "decode_base_ms",
+    "decode_per_seq_ms",
+    "lower_tier_hit_weight",
+    "prefill_work_weight",
+}
 _INTS = {
     "max_num_seqs",
     "max_num_batched_tokens",
@@ -137,7 +150,7 @@ def _check(p: Profile) -> tuple[str, str] | None:
             return name, f"must be finite, got {value!r}"
     if not p.prefill_tokens_per_s > 0:
         return "prefill_tokens_per_s", f"must be > 0, got {p.prefill_tokens_per_s!r}"
-    for name in ("decode_base_ms", "decode_per_seq_ms"):
+    for name in ("decode_base_ms", "decode_per_seq_ms", "prefill_work_weight"):
         if getattr(p, name) < 0:
             return name, f"must be >= 0, got {getattr(p, name)!r}"
     for name in ("max_num_seqs", "max_num_batched_tokens", "typical_prompt_tokens", "typical_output_tokens"):

@@ -152,13 +152,14 @@ def test_cache_hit_wins_when_loads_are_equal() -> None:
 
 
 def test_affinity_yields_when_the_holders_queue_grows() -> None:
-    """Same prefix: the holder keeps it while it is the fastest, a cold pod wins once its queue costs more."""
+    """Same prefix: the holder keeps it while it is the cheapest, a cold pod wins once its queue costs
+    more; charging the prefill work a cold pod would spend keeps the prefix where it is for longer."""
     request = facts(7200)
 
-    def winners(holder: Candidate) -> frozenset[str]:
+    def winners(holder: Candidate, profile: Profile) -> frozenset[str]:
         """Who ranks first over several seeds (both, in the near-tie zone)."""
         return frozenset(
-            first(policy().rank(request, [holder, cand(2)], random.Random(seed))).endpoint.ip
+            first(policy(profile).rank(request, [holder, cand(2)], random.Random(seed))).endpoint.ip
             for seed in range(16)
         )
 
@@ -171,15 +172,47 @@ def test_affinity_yields_when_the_holders_queue_grows() -> None:
         assert all(w == holder for w in sequence[: flip - 3])
         return flip
 
+    ttft_only = replace(DEFAULT, prefill_work_weight=0.0)
     # Between scrapes (our accounting only): the requests we sent it are prefill ahead (~32 ms each
     # against a cold prefill of 7200 tokens, ~450 ms).
-    flip = assert_yields([winners(cand(1, in_flight=n, cached=6000)) for n in range(40)])
-    assert 8 < flip < 20
+    flips = {
+        profile.prefill_work_weight: assert_yields(
+            [winners(cand(1, in_flight=n, cached=6000), profile) for n in range(40)]
+        )
+        for profile in (ttft_only, DEFAULT)
+    }
+    assert 8 < flips[0.0] < 20
+    # The cold pod's 7,200 tokens (~450 ms of its compute) against the holder's 1,200 (~75 ms): the
+    # holder may queue ~375 ms more before it loses the request.
+    assert flips[0.0] + 8 < flips[1.0] < 40
     # From the scrape: a full batch is still worth it, a queue behind it soon is not.
     flip = assert_yields(
-        [winners(cand(1, in_flight=256 + w, cached=6000, sig=signals(256, w))) for w in range(40)]
+        [winners(cand(1, in_flight=256 + w, cached=6000, sig=signals(256, w)), ttft_only) for w in range(40)]
     )
     assert 1 < flip < 10
+    assert flip < assert_yields(
+        [winners(cand(1, in_flight=256 + w, cached=6000, sig=signals(256, w)), DEFAULT) for w in range(40)]
+    )
+
+
+def test_ranking_charges_the_prefill_work_a_pick_spends_but_notes_its_ttft() -> None:
+    """A cold pod a little faster to the first token loses to the holder, whose pick spends less
+    compute; the answer still carries the pick's predicted TTFT, and weight 0 ranks by TTFT alone."""
+    request = facts(8000)
+    holder = cand(1, in_flight=16, cached=7000)  # 16 x 512 tokens ahead: ~580 ms to its first token
+    cold = cand(2)  # ~510 ms
+    ttft_only = replace(DEFAULT, prefill_work_weight=0.0)
+    assert predict(request, cold, DEFAULT).ttft_s < predict(request, holder, DEFAULT).ttft_s
+    for seed in range(8):
+        ranked = policy().rank(request, [cold, holder], random.Random(seed))
+        assert first(ranked) is holder
+        assert (
+            ranked.notes["x-extproc-predicted-ttft-ms"]
+            == f"{predict(request, holder, DEFAULT).ttft_s * 1000:.1f}"
+        )
+        assert first(policy(ttft_only).rank(request, [cold, holder], random.Random(seed))) is cold
+    spent = predict(request, cold, DEFAULT)
+    assert spent.cost_s == pytest.approx(spent.ttft_s + 8000 / DEFAULT.prefill_tokens_per_s)
 
 
 def test_saturated_endpoints_rank_last_and_all_saturated_sheds() -> None:

@@ -99,6 +99,10 @@ def test_parse_profiles_with_defaults_for_omitted_keys() -> None:
             "profiles.h100.lower_tier_hit_weight: must be",
         ),
         (
+            {"profiles": {"h100": {"prefill_work_weight": -0.5}}},
+            "profiles.h100.prefill_work_weight: must be >= 0",
+        ),
+        (
             {"profiles": {"h100": {"decode_base_ms": float("inf")}}},
             "profiles.h100.decode_base_ms: must be finite",
         ),
