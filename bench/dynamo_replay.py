@@ -17,8 +17,9 @@ fine, it needs nothing of ours) and run from the repo root:
     python -m venv /tmp/dyn && /tmp/dyn/bin/pip install ai-dynamo-runtime==1.6.1
     /tmp/dyn/bin/python bench/dynamo_replay.py [--rows 3000] [--runs 3]
 
-Ours comes from the latest recorded ``bench/results/engine_kinds.json`` (vLLM rounds) on the same
-rows. Writes ``bench/results/dynamo_replay.{json,md}``.
+Ours comes from recorded runs on the same rows: by default the offline replay
+(``bench/results/replay_offline.json``); pass one per seed (``python -m bench.replay --offline
+--seed N --out ...``) to show our range too. Writes ``bench/results/dynamo_replay.{json,md}``.
 """
 
 from __future__ import annotations
@@ -66,17 +67,23 @@ def dynamo_run(trace: Path, mode: str) -> dict[str, Any]:
     }
 
 
-def ours(path: Path, rows: int) -> dict[str, list[float]]:
-    """Our replay's hit rates per policy (vLLM rounds of the recorded engine_kinds run)."""
-    if not path.is_file():
-        return {}
-    recorded = json.loads(path.read_text())
-    if recorded["trace"]["requests"] != rows or recorded["trace"]["first_row"] != 0:
-        return {}
+def ours(paths: list[Path], rows: int) -> dict[str, list[float]]:
+    """Our hit rates per policy on the same rows, from recorded runs of ours: offline replays
+    (``bench.replay --offline``, one per seed) or the vLLM rounds of ``engine_kinds.json``."""
     found: dict[str, list[float]] = {}
-    for run in recorded["runs"]:
-        if run["engine_kind"] == "vllm" and run["valid"]:
-            found.setdefault(run["policy"], []).append(run["hit_rate"])
+    for path in paths:
+        if not path.is_file():
+            continue
+        recorded = json.loads(path.read_text())
+        if recorded["trace"]["requests"] != rows or recorded["trace"]["first_row"] != 0:
+            continue
+        if "arms" in recorded:  # a replay result
+            for arm in recorded["arms"]:
+                found.setdefault(arm["summary"]["policy"], []).append(arm["summary"]["hit_rate"])
+            continue
+        for run in recorded["runs"]:
+            if run["engine_kind"] == "vllm" and run["valid"]:
+                found.setdefault(run["policy"], []).append(run["hit_rate"])
     return found
 
 
@@ -104,7 +111,9 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"| Dynamo {mode} | {len(runs)} | {span} | {ttft:.3f} |")
     for policy, hits in results["ours"].items():
         span = f"{min(hits):.2%}" if len(hits) == 1 else f"{min(hits):.2%} - {max(hits):.2%}"
-        lines.append(f"| ours: {policy} | {len(hits)} | {span} | (see engine_kinds.md) |")
+        lines.append(f"| ours: {policy} | {len(hits)} | {span} | (another engine model: see ours) |")
+    if results.get("ours_from"):
+        lines += ["", f"Ours from: {', '.join(f'`{p}`' for p in results['ours_from'])}."]
     best = max((r["prefix_reuse"] for r in by_mode.get("kv_router", [])), default=None)
     mine = results["ours"].get("ours (predicted-ttft)")
     rr_dyn = [r["prefix_reuse"] for r in by_mode.get("round_robin", [])]
@@ -127,7 +136,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=3000, help="first rows of the trace (3000)")
     parser.add_argument("--runs", type=int, default=3, help="kv_router runs (3)")
-    parser.add_argument("--ours", type=Path, default=HERE / "results" / "engine_kinds.json")
+    parser.add_argument(
+        "--ours",
+        type=Path,
+        nargs="+",
+        default=[HERE / "results" / "replay_offline.json"],
+        help="our recorded runs on the same rows: offline replays (one per seed) or engine_kinds.json",
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results" / "dynamo_replay.json")
     args = parser.parse_args()
     try:
@@ -149,6 +164,9 @@ def main() -> None:
         "workers": WORKERS,
         "dynamo": runs,
         "ours": ours(args.ours, args.rows),
+        "ours_from": [
+            str(p.relative_to(HERE.parent)) if p.is_relative_to(HERE.parent) else str(p) for p in args.ours
+        ],
     }
     record(args.out, results, report)
 

@@ -134,8 +134,6 @@ class InferenceRequest:
     stream: bool
     #: ``max_completion_tokens`` or ``max_tokens`` when given (a positive int), else None.
     max_tokens: int | None
-    #: The text approximate prefix affinity is computed from (see :func:`prefix_text`); None: none.
-    prefix_text: str | None
     #: The decoded body, for :meth:`read_prompt` and :func:`rewrite_model` only.
     payload: dict[str, Any] = field(repr=False)
     #: The body as it came (b"" when built from a decoded one), for tokenizing in another process.
@@ -143,6 +141,20 @@ class InferenceRequest:
     #: ``cache_salt``: the engines cache this prompt apart from every other salt (see
     #: :func:`cache_salt`); None when absent or empty.
     cache_salt: str | None = None
+    #: :attr:`prefix_text` once computed, in a 1-tuple (its value may be None).
+    _prefix_text: tuple[str | None] | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def prefix_text(self) -> str | None:
+        """The text approximate prefix affinity is computed from (see :func:`prefix_text`); None: none.
+
+        Computed on first use: precise routing of a token-id prompt never needs it, and joining
+        ~13k ids into text costs about a millisecond.
+        """
+        if self._prefix_text is None:
+            object.__setattr__(self, "_prefix_text", (prefix_text(self.kind, self.payload),))
+            assert self._prefix_text is not None
+        return self._prefix_text[0]
 
     def read_prompt(self) -> Prompt | None:
         """The prompt, read the way the engine reads it; None for kinds without one.
@@ -184,7 +196,6 @@ def read_request(path: str, payload: object, *, body: bytes = b"") -> InferenceR
         model=model,
         stream=payload.get("stream") is True,
         max_tokens=_max_tokens(payload),
-        prefix_text=prefix_text(kind, payload),
         payload=payload,
         body=body,
         cache_salt=cache_salt(payload),

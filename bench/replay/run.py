@@ -527,6 +527,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="play the trace in virtual time, in this process (deterministic; bench/replay/offline.py)",
     )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=1,
+        help="the scheduler's tie-break seed (offline runs repeat exactly per seed)",
+    )
     p.add_argument("--only", nargs="*", help="run only the policies whose names start with these")
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--out", type=Path, default=None, help="(bench/results/replay[_offline].json)")
@@ -556,6 +562,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         args.time_scale,
         args.output_cap,
         engine,
+        seed=args.seed,
         scrape_interval=args.scrape_interval,
         engine_kind=args.engine,
     )
@@ -570,6 +577,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         "trace": {"path": str(args.trace), **summary(requests)},
         "config": {
             "engines": cfg.engines,
+            "seed": cfg.seed,
             "time_scale": cfg.time_scale,
             "output_cap": cfg.output_cap,
             "engine_params": asdict(EngineParams(**engine)),

@@ -49,12 +49,13 @@ by TTFT alone. TTFT is what this request waits; the second term is the compute t
 it, which every request arriving at that pod during the prefill waits for too, and which (when
 another pod holds the prefix) stores a second copy of blocks the fleet already caches, evicting
 something else. Greedy TTFT undercharges a cold pod exactly by that externality: in the offline
-Mooncake replay it sent 104 of 3,000 requests (2.1% of all prompt tokens) away from a pod that held
-their prefix. Weight 1 (the default) kept the fleet's hit rate 1.1 points higher at a lower mean
-TTFT (``bench/results/replay_offline.md``); 0 ranks by TTFT alone.
+Mooncake replay (3,000 rows) it sent 104 requests, 2.1% of all prompt tokens, away from a pod that
+held their prefix. Weight 1 (the default) raised the fleet's hit rate there from 11.8-12.7% to
+12.9-13.3% over three seeds, mean TTFT within 2% (``bench/results/replay_offline.md``);
+0 ranks by TTFT alone.
 
-**Ties**: costs within ``max(5 %, 1 ms)`` of the best remaining one form a group shuffled
-with ``rng`` (seeded: reproducible); the prediction error is larger than that.
+**Ties**: costs within ``max(5 %, 1 ms)`` of the best remaining one's TTFT above its cost form a
+group shuffled with ``rng`` (seeded: reproducible); the prediction error is larger than that.
 
 Approximations (documented, deliberate): requests ahead have a typical prompt, fully uncached;
 requests seen by our accounting but not by the scrape are assumed still in prefill (over-estimates
@@ -205,12 +206,17 @@ class PredictedTTFT:
 def _shuffle_ties(
     ordered: list[tuple[Prediction, Candidate]], rng: random.Random
 ) -> list[tuple[Prediction, Candidate]]:
-    """Shuffle each run of costs within the tie tolerance of the run's first (best) one."""
+    """Shuffle each run of costs within the tie tolerance of the run's first (best) one.
+
+    The tolerance is a share of the best one's predicted TTFT, not of its cost: it stands for the
+    prediction's error, and the cost's work term would widen it (two cold pods, one of them busy,
+    differ by the busy one's queue whatever the prompt's compute).
+    """
     result: list[tuple[Prediction, Candidate]] = []
     start = 0
     while start < len(ordered):
-        best = ordered[start][0].cost_s
-        limit = best + max(TIE_RELATIVE * best, TIE_ABSOLUTE_S)
+        best = ordered[start][0]
+        limit = best.cost_s + max(TIE_RELATIVE * best.ttft_s, TIE_ABSOLUTE_S)
         end = start + 1
         while end < len(ordered) and ordered[end][0].cost_s <= limit:
             end += 1

@@ -144,10 +144,11 @@ class PrefixScorer:
 
         Short prompts are tokenized inline: handing one to a thread and back costs more than it.
         """
+        if self.pool is None:
+            return False
         text = request.prefix_text
         return (
-            self.pool is not None
-            and text is not None
+            text is not None
             and len(text) >= INLINE_PROMPT_CHARS
             and self._tokenizer(route.upstream_model) is not None
             and any(e.kv_events_port is not None for e in route.endpoints)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +42,9 @@ def none_hash(seed: str = DEFAULT_HASH_SEED) -> bytes:
 
 
 NONE_HASH = none_hash()
+
+#: The array typecode of an unsigned 32-bit int (``I`` on every platform we know; ``L`` on others).
+_U32 = "I" if array("I").itemsize == 4 else "L"
 
 
 def block_hash(
@@ -72,11 +77,34 @@ def extend_block_hashes(
 
     Incremental, like vLLM's per-request block hasher: generated tokens extend the chain as blocks fill.
     """
-    parent = hashes[-1] if hashes else None
-    for index in range(len(hashes), len(token_ids) // block_size):
-        start = index * block_size
-        parent = block_hash(parent, token_ids[start : start + block_size], lora_name, cache_salt)
-        hashes.append(parent)
+    first = len(hashes)
+    last = len(token_ids) // block_size
+    if first >= last:
+        return
+    if lora_name is not None or cache_salt is not None:
+        parent = hashes[-1] if hashes else None
+        for index in range(first, last):
+            start = index * block_size
+            parent = block_hash(parent, token_ids[start : start + block_size], lora_name, cache_salt)
+            hashes.append(parent)
+        return
+    # The common case, byte for byte what block_hash digests, packed once for all the new blocks
+    # instead of once per block (~2x on long prompts: the simulator hashes every prompt it admits).
+    packed = array(_U32, token_ids[first * block_size : last * block_size])
+    if sys.byteorder != "little":
+        packed.byteswap()
+    data = memoryview(packed).cast("B")
+    count = struct.pack("<I", block_size)
+    width = 4 * block_size
+    parent_digest = hashes[-1] if hashes else NONE_HASH
+    sha256 = hashlib.sha256
+    append = hashes.append
+    for offset in range(0, (last - first) * width, width):
+        digest = sha256(parent_digest)
+        digest.update(count)
+        digest.update(data[offset : offset + width])
+        parent_digest = digest.digest()
+        append(parent_digest)
 
 
 @dataclass(slots=True)
