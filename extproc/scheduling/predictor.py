@@ -50,9 +50,10 @@ it, which every request arriving at that pod during the prefill waits for too, a
 another pod holds the prefix) stores a second copy of blocks the fleet already caches, evicting
 something else. Greedy TTFT undercharges a cold pod exactly by that externality: in the offline
 Mooncake replay (3,000 rows) it sent 104 requests, 2.1% of all prompt tokens, away from a pod that
-held their prefix. Weight 1 (the default) raised the fleet's hit rate there from 11.8-12.7% to
-12.9-13.3% over three seeds, mean TTFT within 2% (``bench/results/replay_offline.md``);
-0 ranks by TTFT alone.
+held their prefix. Over three seeds there, the fleet's hit rate was 11.8-12.7% with weight 0 (TTFT
+alone), 12.4-12.6% with 1, 13.1-13.5% with 2 (the default) and 13.2-13.3% with 3, with mean TTFTs
+within 2% of each other (``bench/results/replay_offline.md``). More than 1 fits the reasoning: the
+compute delays more requests than this one, and the copy it stores evicts blocks.
 
 **Ties**: costs within ``max(5 %, 1 ms)`` of the best remaining one's TTFT above its cost form a
 group shuffled with ``rng`` (seeded: reproducible); the prediction error is larger than that.

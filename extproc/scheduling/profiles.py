@@ -26,7 +26,7 @@ File format (``--profiles PATH``)::
         queue_limit: 32                 # optional, >= 0: waiting requests per endpoint beyond
                                         # which it is saturated (all saturated -> 429); null = never
         lower_tier_hit_weight: 0.8      # 0-1: a CPU-tier cached token's worth vs a GPU one
-        prefill_work_weight: 1.0        # >= 0: each second of prefill compute a pick spends
+        prefill_work_weight: 2.0        # >= 0: each second of prefill compute a pick spends
                                         # counts this much against it, besides its TTFT; 0 ranks
                                         # by predicted TTFT alone
         typical_prompt_tokens: 512      # >= 1: prompt assumed when unknown, and the prefill work
@@ -95,8 +95,9 @@ class Profile:
     lower_tier_hit_weight: float = 0.8
     #: Ranking charges each pick ``prefill_work_weight x uncached prompt tokens / prefill_tokens_per_s``
     #: on top of its predicted TTFT: recomputing a prefix that another pod holds delays every later
-    #: request on the pod that does it, and leaves two copies where one would do (see the predictor).
-    prefill_work_weight: float = 1.0
+    #: request on the pod that does it, and leaves two copies where one would do (see the predictor;
+    #: 2 measured best, with 1.5-3 about as good).
+    prefill_work_weight: float = 2.0
     #: Prompt tokens assumed when a request's prompt is unknown, and the prefill per request ahead.
     typical_prompt_tokens: int = 512
     #: Output tokens assumed for requests ahead (how long a seat stays taken).

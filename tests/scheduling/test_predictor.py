@@ -176,15 +176,19 @@ def test_affinity_yields_when_the_holders_queue_grows() -> None:
     # Between scrapes (our accounting only): the requests we sent it are prefill ahead (~32 ms each
     # against a cold prefill of 7200 tokens, ~450 ms).
     flips = {
-        profile.prefill_work_weight: assert_yields(
-            [winners(cand(1, in_flight=n, cached=6000), profile) for n in range(40)]
+        weight: assert_yields(
+            [
+                winners(cand(1, in_flight=n, cached=6000), replace(DEFAULT, prefill_work_weight=weight))
+                for n in range(80)
+            ]
         )
-        for profile in (ttft_only, DEFAULT)
+        for weight in (0.0, 1.0, 2.0)
     }
     assert 8 < flips[0.0] < 20
-    # The cold pod's 7,200 tokens (~450 ms of its compute) against the holder's 1,200 (~75 ms): the
-    # holder may queue ~375 ms more before it loses the request.
-    assert flips[0.0] + 8 < flips[1.0] < 40
+    # The cold pod's 7,200 tokens (~450 ms of its compute) against the holder's 1,200 (~75 ms): each
+    # unit of weight lets the holder queue ~375 ms (~12 requests of ~32 ms) more before it loses.
+    assert flips[0.0] + 8 < flips[1.0] < flips[0.0] + 16
+    assert flips[1.0] + 8 < flips[2.0] < flips[1.0] + 16
     # From the scrape: a full batch is still worth it, a queue behind it soon is not.
     flip = assert_yields(
         [winners(cand(1, in_flight=256 + w, cached=6000, sig=signals(256, w)), ttft_only) for w in range(40)]
@@ -212,7 +216,9 @@ def test_ranking_charges_the_prefill_work_a_pick_spends_but_notes_its_ttft() -> 
         )
         assert first(policy(ttft_only).rank(request, [cold, holder], random.Random(seed))) is cold
     spent = predict(request, cold, DEFAULT)
-    assert spent.cost_s == pytest.approx(spent.ttft_s + 8000 / DEFAULT.prefill_tokens_per_s)
+    assert spent.cost_s == pytest.approx(
+        spent.ttft_s + DEFAULT.prefill_work_weight * 8000 / DEFAULT.prefill_tokens_per_s
+    )
 
 
 def test_saturated_endpoints_rank_last_and_all_saturated_sheds() -> None:
