@@ -111,7 +111,7 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"| Dynamo {mode} | {len(runs)} | {span} | {ttft:.3f} |")
     for policy, hits in results["ours"].items():
         span = f"{min(hits):.2%}" if len(hits) == 1 else f"{min(hits):.2%} - {max(hits):.2%}"
-        lines.append(f"| ours: {policy} | {len(hits)} | {span} | (another engine model: see ours) |")
+        lines.append(f"| ours: {policy} | {len(hits)} | {span} | (our engine model: `replay_offline.md`) |")
     if results.get("ours_from"):
         lines += ["", f"Ours from: {', '.join(f'`{p}`' for p in results['ours_from'])}."]
     best = max((r["prefix_reuse"] for r in by_mode.get("kv_router", [])), default=None)
