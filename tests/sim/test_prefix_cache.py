@@ -85,6 +85,24 @@ def test_block_hash_layout() -> None:
     assert len(block_hash(expected, [1], "adapter")) == 32
 
 
+@pytest.mark.parametrize(("lora", "salt"), [(None, None), ("adapter", None), (None, "tenant")])
+def test_extending_a_chain_in_steps_gives_the_digests_of_hashing_block_by_block(
+    lora: str | None, salt: str | None
+) -> None:
+    """However the tokens arrive (a prompt, then generated tokens, partial blocks left over), the
+    chain is each full block's digest on its parent's, as :func:`block_hash` makes it one by one."""
+    tokens = [(i * 7919) % 150_000 for i in range(1_000)]
+    expected: list[bytes] = []
+    parent = None
+    for start in range(0, 992, 16):
+        parent = block_hash(parent, tokens[start : start + 16], lora, salt)
+        expected.append(parent)
+    hashes: list[bytes] = []
+    for end in (5, 16, 300, 300, 999, 1_000):
+        extend_block_hashes(hashes, tokens[:end], 16, lora, salt)
+        assert hashes == expected[: end // 16]
+
+
 @pytest.mark.parametrize(
     ("a", "b", "lora_a", "lora_b", "shared"),
     [
