@@ -151,10 +151,11 @@ class InferenceRequest:
         Computed on first use: precise routing of a token-id prompt never needs it, and joining
         ~13k ids into text costs about a millisecond.
         """
-        if self._prefix_text is None:
-            object.__setattr__(self, "_prefix_text", (prefix_text(self.kind, self.payload),))
-            assert self._prefix_text is not None
-        return self._prefix_text[0]
+        cached = self._prefix_text
+        if cached is None:
+            cached = (prefix_text(self.kind, self.payload),)
+            object.__setattr__(self, "_prefix_text", cached)  # frozen: set once, like a cached property
+        return cached[0]
 
     def read_prompt(self) -> Prompt | None:
         """The prompt, read the way the engine reads it; None for kinds without one.
