@@ -56,14 +56,7 @@ def block_hash(
     keys: the LoRA name, and on the first block only the cache salt (as vLLM). The count prefix and
     the length-prefixed extras keep the encoding unambiguous whatever the names.
     """
-    digest = hashlib.sha256(NONE_HASH if parent is None else parent)
-    digest.update(struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids))
-    if lora_name is not None:
-        digest.update(b"lora\x00" + lora_name.encode())
-    if cache_salt is not None and parent is None:
-        salt = cache_salt.encode()
-        digest.update(b"salt\x00" + struct.pack("<I", len(salt)) + salt)
-    return digest.digest()
+    return _chain(parent, token_ids, max(1, len(token_ids)), lora_name, cache_salt, count=len(token_ids))[0]
 
 
 def extend_block_hashes(
@@ -77,34 +70,51 @@ def extend_block_hashes(
 
     Incremental, like vLLM's per-request block hasher: generated tokens extend the chain as blocks fill.
     """
-    first = len(hashes)
-    last = len(token_ids) // block_size
-    if first >= last:
-        return
-    if lora_name is not None or cache_salt is not None:
+    first, last = len(hashes), len(token_ids) // block_size
+    if first < last:
         parent = hashes[-1] if hashes else None
-        for index in range(first, last):
-            start = index * block_size
-            parent = block_hash(parent, token_ids[start : start + block_size], lora_name, cache_salt)
-            hashes.append(parent)
-        return
-    # The common case, byte for byte what block_hash digests, packed once for all the new blocks
-    # instead of once per block (~2x on long prompts: the simulator hashes every prompt it admits).
-    packed = array(_U32, token_ids[first * block_size : last * block_size])
+        new = token_ids[first * block_size : last * block_size]
+        hashes.extend(_chain(parent, new, block_size, lora_name, cache_salt, count=block_size))
+
+
+def _chain(
+    parent: bytes | None,
+    token_ids: Sequence[int],
+    block_size: int,
+    lora_name: str | None,
+    cache_salt: str | None,
+    *,
+    count: int,
+) -> list[bytes]:
+    """The digests of consecutive blocks of ``block_size`` tokens (``count`` is the count the layout
+    records), each chained on the one before, in :func:`block_hash`'s layout.
+
+    The tokens are packed once for all blocks, not once per block (~2x on long prompts: the simulator
+    hashes every prompt it admits).
+    """
+    packed = array(_U32, token_ids)
     if sys.byteorder != "little":
         packed.byteswap()
     data = memoryview(packed).cast("B")
-    count = struct.pack("<I", block_size)
+    prefix = struct.pack("<I", count)
+    lora = b"" if lora_name is None else b"lora\x00" + lora_name.encode()
+    salt = b""
+    if cache_salt is not None and parent is None:
+        salted = cache_salt.encode()
+        salt = b"salt\x00" + struct.pack("<I", len(salted)) + salted
     width = 4 * block_size
-    parent_digest = hashes[-1] if hashes else NONE_HASH
-    sha256 = hashlib.sha256
-    append = hashes.append
-    for offset in range(0, (last - first) * width, width):
-        digest = sha256(parent_digest)
-        digest.update(count)
+    digests: list[bytes] = []
+    previous = NONE_HASH if parent is None else parent
+    for offset in range(0, max(len(data), 1), width):
+        digest = hashlib.sha256(previous)
+        digest.update(prefix)
         digest.update(data[offset : offset + width])
-        parent_digest = digest.digest()
-        append(parent_digest)
+        digest.update(lora)
+        digest.update(salt)
+        salt = b""  # the first block only
+        previous = digest.digest()
+        digests.append(previous)
+    return digests
 
 
 @dataclass(slots=True)
