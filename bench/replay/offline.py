@@ -5,9 +5,11 @@ clock, so a busy machine changes its figures. Here a discrete-event loop plays i
 request arrivals (the trace's own timestamps) and engine step ends are events, taken in time order.
 
 The same parts decide as online: the real :class:`Scheduler` and policy, the real prefix index and
-scorer (tokenizer ``extproc:tiny``), fed with each engine step's KV events encoded as vLLM sends
-them and decoded by the router's own ingest; in-flight leases from each decision to the request's
-last token, their predicted prefill measured in model seconds. The engines are the simulator's
+scorer (tokenizer ``extproc:tiny``), fed with each engine step's KV events as the router's ingest
+decodes them (handed over decoded by :func:`router_batch`, or with ``wire_events`` encoded as vLLM
+sends them and decoded by the ingest itself: the same index either way, ~20% slower); in-flight
+leases from each decision to the request's last token, their predicted prefill measured in model
+seconds. The engines are the simulator's
 :class:`EngineCore`, stepped exactly as its :class:`EngineLoop` steps them (a step starts when the
 previous one ends while there is work, or when a request reaches an idle engine), with the outputs
 its HTTP layer would ask for (``max_tokens`` filler tokens).
@@ -35,7 +37,8 @@ from bench.replay.run import MODEL, PATH, Arm, Config, Sent, replay_catalog
 from bench.replay.trace import TraceRequest, prompt_tokens
 from extproc.catalog.store import CatalogStore
 from extproc.demo.catalog import LocalWorkerSet
-from extproc.kvindex.events import Source
+from extproc.kvindex.events import U64_MASK, AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, Source
+from extproc.kvindex.events import KVEvent as RouterEvent
 from extproc.kvindex.follow import plan_sources
 from extproc.openai import read_request
 from extproc.scheduling.calibration import Calibration
@@ -44,6 +47,7 @@ from extproc.scheduling.scheduler import Scheduler
 from extproc.scheduling.signals import EngineSignals
 from extproc.serve.prefix_routing import PrefixRouting
 from extproc.settings import PrefixSettings, TokenizerSpec
+from extproc.sim import kv_events as sim
 from extproc.sim.engine_core import EngineCore, EngineParams, RequestOutput, SimRequest, StepResult
 from extproc.sim.kv_wire import EventEncoding, HashFormat, encode_batch
 from extproc.tokenize.registry import SHIPPED_TOKENIZER
@@ -139,6 +143,7 @@ class OfflineReplay:
         self._order = itertools.count()
         self._flights: dict[str, _Flight] = {}
         self.records: list[Sent] = []
+        self.wire_events = cfg.wire_events
 
     # -- the timeline ------------------------------------------------------------------------------
 
@@ -282,14 +287,17 @@ class OfflineReplay:
             self._at(self.now + self.scrape_s, self._SCRAPE, None)
 
     def _publish(self, engine: OfflineEngine, result: StepResult) -> None:
-        """The step's KV events, as vLLM's publisher encodes them, through the router's ingest."""
+        """The step's KV events through the router's ingest, encoded or not (``wire_events``)."""
         source = self.sources.get(engine.address)
         if not result.events or source is None:
             return
-        payload = encode_batch(
-            result.events, ts=self.now, dp_rank=0, encoding=EventEncoding.MAPS, hash_format=HashFormat.INT
-        )
-        self.routing.ingest.on_batch(source, engine.seq, payload)
+        if self.wire_events:
+            payload = encode_batch(
+                result.events, ts=self.now, dp_rank=0, encoding=EventEncoding.MAPS, hash_format=HashFormat.INT
+            )
+            self.routing.ingest.on_batch(source, engine.seq, payload)
+        else:
+            self.routing.ingest.on_decoded(source, router_batch(result.events, self.now))
         engine.seq += 1
 
     @staticmethod
@@ -308,3 +316,54 @@ class OfflineReplay:
             "queue": engine.queue,
             "e2e": engine.e2e,
         }
+
+
+def router_batch(events: list[sim.KVEvent], ts: float) -> DecodedBatch:
+    """A step's events as the router's decoder returns them from vLLM's wire form, without the wire.
+
+    What :func:`~extproc.sim.kv_wire.encode_batch` (tagged maps, uint64 hashes) and then
+    :func:`~extproc.kvindex.decode.decode_batch` make of them: a digest becomes its last 8 bytes
+    read big-endian, a chain's salt rides on its first event only, and a malformed stored event is
+    skipped. One liberty: consecutive removals from one medium become one event (the engine makes
+    one per evicted block), which the index applies in the same order, hash by hash. The replay's
+    tests hold both paths to the same index.
+    """
+    out: list[RouterEvent] = []
+    skipped = 0
+    removed: list[int] = []
+    removed_medium: str | None = None
+    from_bytes = int.from_bytes
+    for event in events:
+        if type(event) is sim.BlockRemoved:
+            if removed and event.medium != removed_medium:
+                out.append(BlockRemoved(tuple(removed), removed_medium))
+                removed = []
+            removed_medium = event.medium
+            removed.extend(from_bytes(h, "big") & U64_MASK for h in event.block_hashes)
+            continue
+        if removed:
+            out.append(BlockRemoved(tuple(removed), removed_medium))
+            removed = []
+        if type(event) is sim.BlockStored:
+            hashes = tuple(from_bytes(h, "big") & U64_MASK for h in event.block_hashes)
+            tokens = event.token_ids
+            if not hashes or (tokens and len(tokens) != len(hashes) * event.block_size):
+                skipped += 1
+                continue
+            parent = event.parent_block_hash
+            out.append(
+                BlockStored(
+                    hashes,
+                    None if parent is None else from_bytes(parent, "big") & U64_MASK,
+                    tokens,
+                    event.block_size,
+                    event.lora_name,
+                    event.medium,
+                    (event.cache_salt or None) if parent is None else None,
+                )
+            )
+        else:
+            out.append(AllBlocksCleared())
+    if removed:
+        out.append(BlockRemoved(tuple(removed), removed_medium))
+    return DecodedBatch(ts=ts, events=out, dp_rank=0, skipped=skipped)

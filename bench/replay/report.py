@@ -161,8 +161,9 @@ def markdown(result: dict[str, Any]) -> str:
         "deviation over mean (0 = perfectly even).",
         (
             "- Offline: decisions run through the real `Scheduler` + `PrefixRouting` (tokenizer "
-            "`extproc:tiny`, the engines' KV events encoded as vLLM sends them and applied by the "
-            "router's ingest the moment their step ends); the engine cores step in virtual time as "
+            "`extproc:tiny`, the engines' KV events applied to the router's index the moment their "
+            "step ends, as its ingest decodes them: handed over decoded, or with `--wire-events` "
+            "encoded as vLLM sends them); the engine cores step in virtual time as "
             "the simulator's loop steps them, so client times equal engine times plus nothing, and "
             "*wall s* is the trace's simulated length. Leases are held until each request's last token."
             if offline

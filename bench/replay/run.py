@@ -238,6 +238,9 @@ class Config:
     scrape_interval: float = 0.0
     #: Whose surface the simulated engines show (metric names, KV-event encoding): vllm or sglang.
     engine_kind: str = "vllm"
+    #: Offline only (online events always cross ZMQ): encode each step's KV events as vLLM does and
+    #: decode them with the router's ingest, instead of handing them over as domain events.
+    wire_events: bool = False
 
 
 async def run_arm(arm: Arm, requests: list[TraceRequest], cfg: Config, vocab: int) -> dict[str, Any]:
@@ -533,6 +536,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="the scheduler's tie-break seed (offline runs repeat exactly per seed)",
     )
+    p.add_argument(
+        "--wire-events",
+        action="store_true",
+        help="offline: encode the engines' KV events as vLLM does and decode them with the router's "
+        "ingest (~20%% slower; by default they are handed over decoded, with the same results)",
+    )
     p.add_argument("--only", nargs="*", help="run only the policies whose names start with these")
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--out", type=Path, default=None, help="(bench/results/replay[_offline].json)")
@@ -565,6 +574,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         scrape_interval=args.scrape_interval,
         engine_kind=args.engine,
+        wire_events=args.wire_events,
     )
     vocab = shipped_tokenizer().vocab_size
     bound = upper_bound(requests, engine_block=16)
@@ -587,7 +597,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             if args.offline
             else f"online: wall clock, engines in a child process at time scale {cfg.time_scale:g}",
             "transport": "in-process calls: scheduler, then the engine core; KV events through the router's "
-            "ingest"
+            + ("ingest, encoded as vLLM publishes them" if cfg.wire_events else "index, handed over decoded")
             if args.offline
             else "bench -> engine HTTP directly (no Envoy), streaming /v1/completions, token-id prompts",
             "engine_signals": (

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from extproc.kvindex.decode import KVDecodeError, decode_batch
-from extproc.kvindex.events import Source
+from extproc.kvindex.events import DecodedBatch, Source
 from extproc.kvindex.index import PrefixIndex
 from extproc.telemetry import LogLimiter
 
@@ -63,6 +63,10 @@ class IndexIngest:
                 source, "decode", "kv batch not decoded source=%s seq=%d error=%s", source, seq, exc
             )
             return
+        self.on_decoded(source, batch)
+
+    def on_decoded(self, source: Source, batch: DecodedBatch) -> None:
+        """Apply a batch already in domain events (what :meth:`on_batch` does after decoding)."""
         try:
             result = self.index.apply(source, batch)
         except KeyError:

@@ -9,18 +9,21 @@ Fields vLLM has but a simulated GPU pool never fills (``kv_cache_spec_kind``,
 ``kv_cache_spec_sliding_window``, ...) are not modelled here; the encoder writes them with the
 values vLLM's GPU pool sends (nil, and ``group_idx`` 0). ``extra_keys`` is written only for a
 salted chain's first event (the salt is all it would carry here).
+
+They are frozen ``msgspec.Struct`` classes, not frozen dataclasses, for the reason the router's own
+events are (:mod:`extproc.kvindex.events`): an engine makes one per evicted block, and a frozen
+slotted dataclass costs ~10x a Struct to build.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 #: vLLM's medium for the GPU KV pool (``MEDIUM_GPU``).
 MEDIUM_GPU = "GPU"
 
 
-@dataclass(frozen=True, slots=True)
-class BlockStored:
+class BlockStored(msgspec.Struct, frozen=True, gc=False):
     """Full blocks entered the prefix cache (one event per engine ``cache_full_blocks`` call)."""
 
     #: One 32-byte digest per block, in sequence order.
@@ -38,16 +41,14 @@ class BlockStored:
     cache_salt: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
+class BlockRemoved(msgspec.Struct, frozen=True, gc=False):
     """Blocks left the prefix cache (vLLM sends one hash per event, on eviction)."""
 
     block_hashes: tuple[bytes, ...]
     medium: str = MEDIUM_GPU
 
 
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(msgspec.Struct, frozen=True, gc=False):
     """The whole prefix cache was reset (``POST /reset_prefix_cache``)."""
 
 

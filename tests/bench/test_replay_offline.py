@@ -8,10 +8,15 @@ from pathlib import Path
 # The benchmarks are not an installed package: import them from the repo root (see test_replay_trace).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.replay.offline import OfflineReplay, router_batch
 from bench.replay.policies import RoundRobin
 from bench.replay.run import Arm, Config, default_arms, offline_arm, summarize
 from bench.replay.trace import TraceRequest
+from extproc.kvindex.decode import decode_batch
+from extproc.kvindex.events import BlockRemoved, DecodedBatch
+from extproc.sim import kv_events as sim
 from extproc.sim.engine_core import EngineParams
+from extproc.sim.kv_wire import EventEncoding, HashFormat, encode_batch
 
 VOCAB = 5000
 ENGINE = {"block_size": 16, "num_gpu_blocks": 4000, "max_model_len": 16384}
@@ -56,3 +61,54 @@ def test_every_request_finishes_and_follow_ups_find_their_history() -> None:
     assert summarize(precise, 1.0)["hit_rate"] > 1.5 * summarize(blind, 1.0)["hit_rate"]
     follow_ups = [r for r in precise["requests"] if r["index"] >= 6]
     assert all(r["engine_cached"] >= r["router_cached"] > 0 for r in follow_ups)
+
+
+def _per_hash(batch: DecodedBatch) -> list[object]:
+    """A batch's events with each removal split per hash (the order the index applies them in)."""
+    out: list[object] = []
+    for event in batch.events:
+        if isinstance(event, BlockRemoved):
+            out += [("removed", h, event.medium) for h in event.engine_hashes]
+        else:
+            out.append(event)
+    return out
+
+
+def test_events_handed_over_decoded_are_what_the_wire_decodes_to() -> None:
+    digest = [bytes([i]) * 32 for i in range(6)]
+    events: list[sim.KVEvent] = [
+        sim.BlockStored((digest[0], digest[1]), None, tuple(range(32)), 16, 1, "adapter", cache_salt="s"),
+        sim.BlockStored((digest[2],), digest[1], tuple(range(16)), 16, 1, "adapter", cache_salt="s"),
+        sim.BlockRemoved((digest[0],)),
+        sim.BlockRemoved((digest[1],)),
+        sim.BlockRemoved((digest[3],), medium="CPU"),
+        sim.BlockStored((digest[4],), None, (), 16, None, None, medium="CPU"),
+        sim.BlockStored((digest[5],), None, tuple(range(15)), 16, None, None),  # malformed: skipped
+        sim.AllBlocksCleared(),
+        sim.BlockRemoved((digest[2],)),
+    ]
+    wire = decode_batch(
+        encode_batch(events, ts=1.0, dp_rank=0, encoding=EventEncoding.MAPS, hash_format=HashFormat.INT)
+    )
+    direct = router_batch(events, 1.0)
+    assert _per_hash(direct) == _per_hash(wire)
+    assert direct.skipped == wire.skipped == 1
+    # Consecutive GPU removals arrive as one event; a change of medium starts another.
+    assert [len(e.engine_hashes) for e in direct.events if isinstance(e, BlockRemoved)] == [2, 1, 1]
+
+
+def test_the_replay_is_the_same_with_events_decoded_or_on_the_wire() -> None:
+    """Small GPU pools and a CPU tier, so blocks are evicted, offloaded and loaded back."""
+    engine = {**ENGINE, "num_gpu_blocks": 500, "max_model_len": 8000, "cpu_offload_blocks": 1500}
+    replays = []
+    for wire in (True, False):
+        cfg = Config(engines=3, time_scale=1.0, output_cap=64, engine=engine, seed=3, wire_events=wire)
+        replay = OfflineReplay(ours(), conversations(count=8, turns=6), cfg, VOCAB)
+        replays.append((replay, replay.run()))
+    (wired, on_wire), (direct, decoded) = replays
+    fields = ("endpoint", "router_cached", "engine_cached", "ttft_wall_s", "e2e_wall_s")
+    assert [[r[f] for f in fields] for r in on_wire["requests"]] == [
+        [r[f] for f in fields] for r in decoded["requests"]
+    ]
+    assert wired.routing.index.stats() == direct.routing.index.stats()
+    assert sum(e["external_prefix_cache_hits"] for e in decoded["engines"]) > 0
