@@ -288,7 +288,7 @@ class PrefixCache:
             if self._ref[block] == 0:
                 del self._free[block]
             self._ref[block] += 1
-        hit_blocks.extend(self._pop_free() for _ in range(needed))
+        hit_blocks.extend(self._pop_free(needed))
         seq = _Seq(hit_blocks, num_hit_blocks, lora_name, lora_id, cache_salt)
         self._seqs[request_id] = seq
         if self.cpu is not None:
@@ -323,7 +323,7 @@ class PrefixCache:
             return True
         if needed > len(self._free):
             return False
-        seq.blocks.extend(self._pop_free() for _ in range(needed))
+        seq.blocks.extend(self._pop_free(needed))
         return True
 
     def cache_blocks(
@@ -344,12 +344,12 @@ class PrefixCache:
 
     def _cache_gpu(self, seq: _Seq, hashes: Sequence[bytes], token_ids: Sequence[int], full: int) -> None:
         start = seq.num_cached
-        for index in range(start, full):
-            block, digest = seq.blocks[index], hashes[index]
-            self._hash[block] = digest
-            copies = self._cached.get(digest)
+        block_hash, cached = self._hash, self._cached
+        for block, digest in zip(seq.blocks[start:full], hashes[start:full], strict=True):
+            block_hash[block] = digest
+            copies = cached.get(digest)
             if copies is None:
-                self._cached[digest] = [block]
+                cached[digest] = [block]
             else:
                 copies.append(block)
         seq.num_cached = full
@@ -424,22 +424,28 @@ class PrefixCache:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _pop_free(self) -> int:
-        """Take the least recently freed block, evicting the hash it still holds."""
-        block, _ = self._free.popitem(last=False)
-        digest = self._hash[block]
-        if digest is not None:
-            self._hash[block] = None
-            copies = self._cached[digest]
-            copies.remove(block)
-            if not copies:
-                del self._cached[digest]
-            if self._groups is None:
-                self._events.append(BlockRemoved((digest,)))
-            else:
-                self._events.extend(self._groups.evicted(block))
-        self._ref[block] = 1
-        return block
+    def _pop_free(self, count: int) -> list[int]:
+        """Take the ``count`` least recently freed blocks, evicting the hashes they still hold."""
+        popitem, block_hash, cached, ref = self._free.popitem, self._hash, self._cached, self._ref
+        events, groups = self._events, self._groups
+        taken: list[int] = []
+        for _ in range(count):
+            block, _ = popitem(last=False)
+            digest = block_hash[block]
+            if digest is not None:
+                block_hash[block] = None
+                copies = cached[digest]
+                if len(copies) == 1:
+                    del cached[digest]
+                else:
+                    copies.remove(block)
+                if groups is None:
+                    events.append(BlockRemoved((digest,)))
+                else:
+                    events.extend(groups.evicted(block))
+            ref[block] = 1
+            taken.append(block)
+        return taken
 
 
 class GroupPublisher:
