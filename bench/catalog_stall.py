@@ -237,11 +237,13 @@ def report(results: dict[str, Any]) -> str:
         "later for what the reload left it to walk (a stall of the loop too, whenever it comes).",
         "",
         "The parse runs in a worker thread with full collections paused (young ones go on) and frees",
-        "its documents a few at a time. serve keeps its startup heap frozen; at the end of a parse,",
-        "one collection walks what is not frozen (the new catalog, once) and freezes it too: that",
-        "walk is the large catalog's GC pause above, and the next full collection then walks only",
-        "young objects. The loop also pays for applying a catalog: swapping the routing tables and",
-        "freeing the catalog it replaces, in proportion to the number of worker sets.",
+        "its documents a few at a time. serve keeps its startup heap frozen; at the end of a parse",
+        "that succeeded, the young generations are collected and the new catalog is frozen too,",
+        "without a full collection (a successful parse leaves no cyclic garbage, and walking the",
+        "new catalog held the GIL ~90 ms for 18,000 sets); a failed parse gets a full collection.",
+        "The next full collection then walks only young objects. The loop also pays for applying a",
+        "catalog: swapping the routing tables and freeing the catalog it replaces, in proportion to",
+        "the number of worker sets.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -130,20 +130,25 @@ def _collection_paused() -> Iterator[None]:
     at a time instead of all at once when it ends.
 
     A process that keeps its heap frozen (serve: :func:`extproc.serve.memory.freeze_startup_heap`)
-    gets the new catalog frozen too, right after one full collection of what is not frozen yet:
-    walking the new catalog once is what a reload pauses the loop for. (Thawing the heap instead,
-    as this did before, left the next full collection to walk everything, the tokenizers and the
-    startup heap included.) What requests in flight hold at that instant is frozen with it, once
-    per reload.
+    gets the new catalog frozen too, so that full collections never walk it. After a parse that
+    succeeded, only the young generations are collected first: a successful parse leaves no cyclic
+    garbage (measured: none among 288k new objects for 18,000 worker sets), and a full collection
+    would walk the whole new catalog while holding the GIL, ~90 ms that every decision waits for.
+    What is frozen besides the catalog: what requests in flight hold at that instant, and cyclic
+    garbage of theirs that reached the oldest generation during the parse (it outlived two young
+    collections), once per reload. A parse that failed gets a full collection: its partial
+    objects and the exception's frames may hold cycles, and there is no large catalog to walk.
     """
     thresholds = gc.get_threshold()
     gc.set_threshold(thresholds[0], thresholds[1], _NO_FULL_COLLECTION)
+    succeeded = False
     try:
         yield
+        succeeded = True
     finally:
         gc.set_threshold(*thresholds)
         if gc.get_freeze_count():
-            gc.collect()
+            gc.collect(1 if succeeded else 2)
             gc.freeze()
 
 

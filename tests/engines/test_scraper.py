@@ -17,7 +17,7 @@ from waiting import eventually
 from extproc.catalog.model import Catalog, Endpoint, ServedModel, WorkerSet
 from extproc.catalog.store import CatalogStore
 from extproc.demo.catalog import LocalWorkerSet
-from extproc.engines.scraper import EndpointSignals, EngineScraper, metrics_urls
+from extproc.engines.scraper import FOLLOW_SLICE, EndpointSignals, EngineScraper, metrics_urls
 from extproc.types import EndpointAddress, ModelName, WorkerSetKey
 
 from .test_parity import catalog_of
@@ -326,3 +326,34 @@ async def test_an_engine_contradicting_its_sets_declared_kind_is_a_problem_of_th
         catalog_of([LocalWorkerSet("wrong", MODEL, [vllm.address])])
     )  # undeclared: no claim to check
     assert scraper_.kind_problems() == {}
+
+
+async def test_a_large_catalog_is_followed_in_slices_and_the_latest_one_wins() -> None:
+    """18,000 endpoints followed at once held the event loop ~30-65 ms: a catalog larger than a slice
+    is followed by a task, and a newer catalog published meanwhile is what the scraper ends with."""
+    store = CatalogStore()
+    scraper_ = EngineScraper(store, interval=INTERVAL)  # not started: nothing is scraped
+    big = [f"127.0.{i // 200}.{i % 200 + 1}:8000" for i in range(3 * FOLLOW_SLICE)]
+    turns = 0
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    counter = asyncio.create_task(count_turns())
+    try:
+        publish(store, *big)
+        await eventually(lambda: set(scraper_.snapshot()) == set(big))
+        assert turns >= 3  # the loop ran other tasks while the catalog was followed
+        assert entry(scraper_, big[-1]).url == f"http://{big[-1]}/metrics"  # type: ignore[union-attr]
+        other = [f"127.1.{i // 200}.{i % 200 + 1}:8000" for i in range(3 * FOLLOW_SLICE)]
+        publish(store, *other)
+        publish(store, "127.0.0.9:8000")  # while the previous one is still being followed
+        await eventually(lambda: set(scraper_.snapshot()) == {"127.0.0.9:8000"})
+        await asyncio.sleep(0.05)
+        assert set(scraper_.snapshot()) == {"127.0.0.9:8000"}
+    finally:
+        counter.cancel()
+        await scraper_.close()
