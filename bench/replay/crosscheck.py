@@ -3,7 +3,7 @@
 Issue 15's tolerance: the two modes agree within 10% (relative) on hit rate and on mean TTFT, for
 every policy, when the online run is valid (its machine kept up).
 
-    python -m bench.replay.crosscheck [ONLINE.json OFFLINE.json]   # -> results/replay_crosscheck.md
+    python -m bench.replay.crosscheck [ONLINE.json OFFLINE.json [OUT.md]]  # -> results/replay_crosscheck.md
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main(argv: list[str]) -> None:
     online_path = Path(argv[0]) if argv else RESULTS / "replay.json"
     offline_path = Path(argv[1]) if len(argv) > 1 else RESULTS / "replay_offline.json"
     md = markdown(json.loads(online_path.read_text()), json.loads(offline_path.read_text()))
-    (RESULTS / "replay_crosscheck.md").write_text(md)
+    (Path(argv[2]) if len(argv) > 2 else RESULTS / "replay_crosscheck.md").write_text(md)
     print(md)
 
 
