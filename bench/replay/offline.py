@@ -26,6 +26,7 @@ it as is; times are model seconds (time scale 1), and ``compute_s`` is the CPU t
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import random
@@ -153,6 +154,17 @@ class OfflineReplay:
         heapq.heappush(self._events, (when, kind, next(self._order), payload))
 
     def run(self) -> dict[str, Any]:
+        # Collect young garbage every 100,000 allocations, not 700: a run allocates tens of millions
+        # of short-lived objects (blocks, events, keys) and makes little cyclic garbage, and the
+        # default thresholds spent ~8% of its CPU in the collector, rescanning survivors.
+        thresholds = gc.get_threshold()
+        gc.set_threshold(100_000, 50, 100)
+        try:
+            return self._run()
+        finally:
+            gc.set_threshold(*thresholds)
+
+    def _run(self) -> dict[str, Any]:
         cpu0 = time.process_time()
         for request in self.requests:
             self._at(request.arrival_s, self._ARRIVAL, request)
