@@ -9,10 +9,10 @@ scorer (tokenizer ``extproc:tiny``), fed with each engine step's KV events as th
 decodes them (handed over decoded by :func:`router_batch`, or with ``wire_events`` encoded as vLLM
 sends them and decoded by the ingest itself: the same index either way, ~20% slower); in-flight
 leases from each decision to the request's last token, their predicted prefill measured in model
-seconds. The engines are the simulator's
-:class:`EngineCore`, stepped exactly as its :class:`EngineLoop` steps them (a step starts when the
-previous one ends while there is work, or when a request reaches an idle engine), with the outputs
-its HTTP layer would ask for (``max_tokens`` filler tokens).
+seconds. The engines are the simulator's :class:`EngineCore`, stepped exactly as its
+:class:`EngineLoop` steps them (a step starts when the previous one ends while there is work, or
+when a request reaches an idle engine), with the outputs its HTTP layer would ask for
+(``max_tokens`` filler tokens).
 
 What differs from online, deliberately: KV events reach the index the moment their step ends (ZMQ
 takes a few ms online), and nothing waits on sockets or a CPU. Engine signals (``--scrape-interval``)
