@@ -165,8 +165,12 @@ class PrefixCache:
         self._hash: list[bytes | None] = [None] * num_blocks
         # Unreferenced blocks, least recently freed first; cached ones keep their hash until popped.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        # Hash -> physical blocks holding it (usually one; several when computed concurrently).
-        self._cached: dict[bytes, list[int]] = {}
+        # Hash -> the first physical block holding it; further copies (computed concurrently, rare)
+        # in ``_copies``, oldest first. Ints, not a list per hash: a pool of 24,000 blocks would
+        # otherwise hold 24,000 lists for the cyclic collector to walk (full collections of the
+        # simulator's process took ~100 ms).
+        self._cached: dict[bytes, int] = {}
+        self._copies: dict[bytes, list[int]] = {}
         self._seqs: dict[str, _Seq] = {}
         self._events: list[KVEvent] = []
         self._groups = GroupPublisher(published // block_size) if published > block_size else None
@@ -201,7 +205,8 @@ class PrefixCache:
         """Multiset of cached digests at the published granularity: what the events describe."""
         if self._groups is not None:
             return self._groups.cached()
-        return Counter({digest: len(blocks) for digest, blocks in self._cached.items()})
+        copies = self._copies
+        return Counter({digest: 1 + len(copies.get(digest, ())) for digest in self._cached})
 
     def cpu_hashes(self) -> set[bytes]:
         """Keys the CPU tier holds (published granularity); empty without one."""
@@ -279,7 +284,7 @@ class PrefixCache:
         """
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} already holds blocks")
-        hit_blocks = [self._cached[digest][0] for digest in hashes[:num_hit_blocks]]
+        hit_blocks = [self._cached[digest] for digest in hashes[:num_hit_blocks]]
         needed = max(0, -(-num_tokens // self.block_size) - num_hit_blocks)
         evictable_hits = sum(1 for block in hit_blocks if self._ref[block] == 0)
         if needed > len(self._free) - evictable_hits:
@@ -344,14 +349,13 @@ class PrefixCache:
 
     def _cache_gpu(self, seq: _Seq, hashes: Sequence[bytes], token_ids: Sequence[int], full: int) -> None:
         start = seq.num_cached
-        block_hash, cached = self._hash, self._cached
+        block_hash, cached, copies = self._hash, self._cached, self._copies
         for block, digest in zip(seq.blocks[start:full], hashes[start:full], strict=True):
             block_hash[block] = digest
-            copies = cached.get(digest)
-            if copies is None:
-                cached[digest] = [block]
+            if digest in cached:
+                copies.setdefault(digest, []).append(block)
             else:
-                copies.append(block)
+                cached[digest] = block
         seq.num_cached = full
         size = self.block_size
         if self._groups is not None:
@@ -413,10 +417,13 @@ class PrefixCache:
             return False
         if self.cpu is not None:
             self.cpu.clear()
-        for blocks in self._cached.values():
+        for block in self._cached.values():
+            self._hash[block] = None
+        for blocks in self._copies.values():
             for block in blocks:
                 self._hash[block] = None
         self._cached.clear()
+        self._copies.clear()
         if self._groups is not None:
             self._groups.clear()
         self._events.append(AllBlocksCleared())
@@ -427,18 +434,23 @@ class PrefixCache:
     def _pop_free(self, count: int) -> list[int]:
         """Take the ``count`` least recently freed blocks, evicting the hashes they still hold."""
         popitem, block_hash, cached, ref = self._free.popitem, self._hash, self._cached, self._ref
-        events, groups = self._events, self._groups
+        events, groups, copies = self._events, self._groups, self._copies
         taken: list[int] = []
         for _ in range(count):
             block, _ = popitem(last=False)
             digest = block_hash[block]
             if digest is not None:
                 block_hash[block] = None
-                copies = cached[digest]
-                if len(copies) == 1:
+                others = copies.get(digest)
+                if others is None:
                     del cached[digest]
                 else:
-                    copies.remove(block)
+                    if cached[digest] == block:
+                        cached[digest] = others.pop(0)  # the next oldest copy becomes the first
+                    else:
+                        others.remove(block)
+                    if not others:
+                        del copies[digest]
                 if groups is None:
                     events.append(BlockRemoved((digest,)))
                 else:
