@@ -107,7 +107,8 @@ def input_lengths(rows: int) -> list[int]:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Nearest rank, as the replay's report takes it."""
+    """Nearest rank, as :func:`bench.replay.run.percentile` takes it (not imported: this runs in
+    Dynamo's venv, which lacks the project's dependencies)."""
     ordered = sorted(values)
     return ordered[max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5))) - 1]
 
