@@ -80,10 +80,10 @@ def load_ours(paths: list[Path]) -> dict[str, Any]:
         }
         if setup is None:
             setup = this
+            lengths = input_lengths(this["rows"])  # the same rows for every run (checked below)
+            rate = this["engine_params"]["prefill_tokens_per_s"]
         elif this != setup:
             raise Mismatch(f"{path}: rows, engines or output cap differ from {paths[0]}: {this} != {setup}")
-        lengths = input_lengths(this["rows"])
-        rate = this["engine_params"]["prefill_tokens_per_s"]
         for arm in recorded["arms"]:
             waits = [
                 r["ttft_wall_s"] - (lengths[r["index"]] - (r["engine_cached"] or 0)) / rate
