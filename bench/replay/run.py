@@ -596,8 +596,14 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             "mode": "offline: virtual time, one process (bench/replay/offline.py)"
             if args.offline
             else f"online: wall clock, engines in a child process at time scale {cfg.time_scale:g}",
-            "transport": "in-process calls: scheduler, then the engine core; KV events through the router's "
-            + ("ingest, encoded as vLLM publishes them" if cfg.wire_events else "index, handed over decoded")
+            "transport": (
+                "in-process calls: scheduler, then the engine core; KV events through the router's "
+                + (
+                    "ingest, encoded as vLLM publishes them"
+                    if cfg.wire_events
+                    else "index, handed over decoded"
+                )
+            )
             if args.offline
             else "bench -> engine HTTP directly (no Envoy), streaming /v1/completions, token-id prompts",
             "engine_signals": (
