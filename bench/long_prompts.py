@@ -386,11 +386,15 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
     }
 
 
-async def run(seconds: float, variants: list[str], profile: Path | None) -> dict[str, Any]:
+async def run(
+    seconds: float, variants: list[str], profile: Path | None, serve_args: tuple[str, ...] = ()
+) -> dict[str, Any]:
     tokenizer_dir = ensure("llama3")
     backend = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     texts = Texts(backend, seed=13)
     results: dict[str, Any] = {"machine": machine(), "seconds": seconds, "variants": {}}
+    if serve_args:
+        results["serve_args"] = list(serve_args)
     with tempfile.TemporaryDirectory(prefix="extproc-long-") as tmp:
         catalog = Path(tmp) / "catalog.yaml"
         endpoints = [f"127.0.0.{i}:{free_port()}" for i in range(1, 9)]
@@ -401,7 +405,7 @@ async def run(seconds: float, variants: list[str], profile: Path | None) -> dict
             with open(Path(tmp) / f"serve-{variant}.log", "wb") as log:  # noqa: ASYNC230 (local, instant)
                 serve = ServeProcess(
                     catalog,
-                    extra_args=("--scrape-interval", "0", *extra),
+                    extra_args=("--scrape-interval", "0", *extra, *serve_args),
                     log=log,
                     tokenizer=f"{MODEL}={tokenizer_dir}",
                 )
@@ -432,11 +436,13 @@ async def run(seconds: float, variants: list[str], profile: Path | None) -> dict
 def report(results: dict[str, Any]) -> str:
     m = results["machine"]
     names = list(results["variants"])
+    flags = results.get("serve_args")
     lines = [
         "# Long prompts against short ones (real Llama 3 tokenizer)",
         "",
         f"{provenance(m)}. `serve` and the gRPC load client "
-        f"share the cores; {results['seconds']:g} s per closed-loop measure, {STREAMS} streams.",
+        f"share the cores; {results['seconds']:g} s per closed-loop measure, {STREAMS} streams."
+        + (f" serve's extra flags: `{' '.join(flags)}`." if flags else ""),
         "",
         "| measure | target | " + " | ".join(names) + " |",
         "|---|--:|" + "--:|" * len(names),
@@ -550,11 +556,20 @@ def main() -> None:
     parser.add_argument(
         "--profile", type=Path, default=None, help="py-spy serve during some measures, into this directory"
     )
+    parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument to every serve (repeat: --serve-arg=--tokenize-budget-ms --serve-arg=80)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
-    results = asyncio.run(run(args.seconds, args.variant or list(VARIANTS), args.profile))
+    results = asyncio.run(
+        run(args.seconds, args.variant or list(VARIANTS), args.profile, tuple(args.serve_arg))
+    )
     record(args.out, results, report)
 
 

@@ -179,7 +179,8 @@ class PrefixScorer:
                 self.counters.loop_hold.observe(time.perf_counter() - started)
             if isinstance(step, Tokenized):
                 return step
-            done = await self.pool.run(step)
+            call, size = step
+            done = await self.pool.run(call, size=size)
             return done if done is not None else Tokenized(model, None)
         except Exception as exc:
             self._tokenize_failed(model, exc)
@@ -193,7 +194,7 @@ class PrefixScorer:
         seed = namespace_seed(model, request.cache_salt)
         keyer = functools.partial(keys_by_block_size, seed, block_sizes)
         call = functools.partial(body_ids, model, request.path, request.body, keyer)
-        answer = await self.pool.run(call, affinity=request.body[:AFFINITY_BYTES])
+        answer = await self.pool.run(call, affinity=request.body[:AFFINITY_BYTES], size=len(request.body))
         if answer is None or answer.ids is None:
             if answer is not None and answer.error is not None:
                 bad_request, message = answer.error
@@ -334,17 +335,18 @@ class PrefixScorer:
 
 def _tokenize_here(
     model: str, tokenizer: ModelTokenizer, request: InferenceRequest, catalog: Catalog | None, route: Route
-) -> Tokenized | Callable[[], Tokenized]:
-    """What of tokenizing ``request`` runs on the loop: the result, or the call left for the pool."""
+) -> Tokenized | tuple[Callable[[], Tokenized], int]:
+    """What of tokenizing ``request`` runs on the loop: the result, or the call left for the pool
+    and its size (the characters it tokenizes; see :meth:`TokenizePool.run`)."""
     prompt = request.read_prompt()
     if prompt is None:
         return Tokenized(model, None)
     if not _renders_inline(prompt, request):
         keyed = (namespace_seed(model, request.cache_salt), _block_sizes(catalog, route))
-        return lambda: _tokenize(model, tokenizer, prompt, keyed)
+        return (lambda: _tokenize(model, tokenizer, prompt, keyed)), len(request.body)
     plan = tokenizer.prompt_plan(prompt)
     if plan is None:
-        return lambda: Tokenized(model, tokenizer.prompt_ids(prompt))
+        return (lambda: Tokenized(model, tokenizer.prompt_ids(prompt))), len(request.body)
     if plan.new_chars < INLINE_PROMPT_CHARS:
         path = plan.finish(plan.encode(here=True))
         return Tokenized(model, path, path=path)
@@ -358,7 +360,7 @@ def _tokenize_here(
         path = _keyed(plan.finish(plan.encode()), keyed)
         return Tokenized(model, path, path=path)
 
-    return encode_and_key
+    return encode_and_key, plan.new_chars
 
 
 def _tokenize(

@@ -162,7 +162,8 @@ class PrefixCollector(Collector):
             fallbacks = CounterMetricFamily(
                 "extproc_tokenize_fallbacks",
                 "Prompts routed without their tokens (approximately): queue_full (--tokenize-queue "
-                "prompts already tokenizing or waiting), budget (not ready within --tokenize-budget-ms), "
+                "prompts already tokenizing or waiting), budget (not ready, or too big to be ready by the "
+                "workers' measured speed, within --tokenize-budget-ms), "
                 "worker_lost (its --tokenize-processes worker died; replaced on the next prompt).",
                 labels=["reason"],
             )
@@ -173,8 +174,15 @@ class PrefixCollector(Collector):
             yield fallbacks
             yield GaugeMetricFamily(
                 "extproc_tokenize_pending",
-                "Prompts being tokenized or waiting for a thread.",
+                "Prompts being tokenized or waiting for a worker, late ones (their request already "
+                "routed without them) included.",
                 value=pool.pending,
+            )
+            yield CounterMetricFamily(
+                "extproc_tokenize_late_dropped",
+                "Late prompts (their request already routed without them) dropped unrun to make room "
+                "for new ones in --tokenize-queue; run, they would only have taught the segment tree.",
+                value=pool.dropped,
             )
         hold = r.scorer.counters.loop_hold
         cumulative, buckets = 0, []

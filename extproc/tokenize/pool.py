@@ -7,26 +7,54 @@ workers (:mod:`extproc.tokenize.workers`): threads of this process, or processes
 
 Bounded twice, so a burst of long prompts cannot pile up work or latency:
 
-- **queue**: at most ``max_pending`` prompts are being tokenized or waiting for a thread; one more
+- **queue**: at most ``max_pending`` prompts are being tokenized or waiting for a worker; one more
   is not tokenized at all;
 - **budget**: a request waits at most ``budget`` seconds for its ids.
 
 Either way the request is routed without them (approximate affinity), never fails and never waits
-longer; :attr:`TokenizePool.fallbacks` counts it by reason. A prompt past its budget still finishes
-in its thread (a thread cannot be stopped) and holds its place in the queue until then.
+longer; :attr:`TokenizePool.fallbacks` counts it by reason.
+
+**Deadlines decide what a worker takes next.** The pool hands workers one prompt each, oldest
+first, and only a prompt that can still be ready within its budget (judged by the work's size and
+the workers' measured speed). A prompt that cannot is answered at once, routed approximately, not
+left to wait out its budget. Workers therefore spend their time on prompts whose answers someone
+still waits for: under a sustained overload, with first-come-first-served, every prompt would
+finish just too late. A prompt whose requester stopped waiting is *late*: it still runs when no
+waiting prompt needs the worker (newest first), because tokenizing it teaches the segment tree,
+and a conversation's next turn is then not cold again. Late prompts give up their place in the
+queue to new ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections import deque
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
 
 from extproc.tokenize.workers import ProcessWorkers, ThreadWorkers
 
 #: Why a prompt was routed without its token ids.
 Fallback = Literal["queue_full", "budget"]
 T = TypeVar("T")
+#: Weight of the newest call in the workers' speed (seconds per unit of size).
+SPEED_WEIGHT = 0.2
+#: Calls smaller than this teach nothing of the speed: their time is mostly fixed costs.
+SPEED_MIN_SIZE = 1024
+
+
+@dataclass(eq=False, slots=True)
+class _Job(Generic[T]):
+    call: Callable[[], T]
+    affinity: bytes
+    #: The work's size (characters to tokenize); 0: unknown, always worth starting.
+    size: int
+    #: Loop time by which the answer is useful.
+    deadline: float
+    #: What the requester awaits; done before the job starts: nobody waits any more (late).
+    answer: asyncio.Future[T | None]
 
 
 class TokenizePool:
@@ -50,45 +78,125 @@ class TokenizePool:
         self.workers = workers if workers is not None else ThreadWorkers(threads)
         self.max_pending = max_pending
         self.budget = budget
-        #: Prompts being tokenized or waiting for a thread (including any past their budget).
-        self.pending = 0
         self.completed = 0
         self.fallbacks: dict[Fallback, int] = {"queue_full": 0, "budget": 0}
+        #: Late prompts dropped unrun to make room (they would only have taught the segment tree).
+        self.dropped = 0
+        self._waiting: deque[_Job[Any]] = deque()
+        self._late: deque[_Job[Any]] = deque()
+        self._running = 0
+        #: Seconds and sizes of recent calls, each weighted down by SPEED_WEIGHT per newer call.
+        self._seconds = 0.0
+        self._sizes = 0.0
 
     @property
     def in_processes(self) -> bool:
         """True when calls run in other processes (they must then be picklable)."""
         return self.workers.in_processes
 
-    async def run(self, call: Callable[[], T], affinity: bytes = b"") -> T | None:
-        """``call()`` in a worker; None if the queue is full or the budget runs out first.
+    @property
+    def pending(self) -> int:
+        """Prompts being tokenized or waiting for a worker (late ones included)."""
+        return self._running + len(self._waiting) + len(self._late)
+
+    async def run(self, call: Callable[[], T], affinity: bytes = b"", size: int = 0) -> T | None:
+        """``call()`` in a worker; None if the queue is full or it cannot be ready within the budget.
 
         Exceptions from ``call`` propagate to the awaiting request (its caller decides what a bad
         prompt means). ``affinity``: calls alike in it go to the same process, when in processes.
+        ``size``: how much work the call is (characters), to judge whether it can still be ready.
         """
         if self.pending >= self.max_pending:
-            self.fallbacks["queue_full"] += 1
-            return None
-        future = asyncio.wrap_future(self.workers.submit(call, affinity))
-        self.pending += 1
-        future.add_done_callback(self._finished)
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), self.budget)
-        except TimeoutError:
+            if not self._late:
+                self.fallbacks["queue_full"] += 1
+                return None
+            self._late.popleft()
+            self.dropped += 1
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        job = _Job(call, affinity, size, now + self.budget, loop.create_future())
+        if not self._fits(job, now):  # not even a free worker could make it: late at once
+            job.answer.set_result(None)
+            self._late.append(job)
+            self._dispatch()
             self.fallbacks["budget"] += 1
-            # Nobody reads it any more: an exception it may end with must not be logged as lost.
-            future.add_done_callback(_consume)
             return None
+        self._waiting.append(job)
+        self._dispatch()
+        try:
+            answer = await asyncio.wait_for(job.answer, self.budget)
+        except TimeoutError:
+            answer = None
+            if job in self._waiting:  # not started: late, so a new prompt may take its place
+                self._waiting.remove(job)
+                self._late.append(job)
+        if answer is None:
+            self.fallbacks["budget"] += 1
+        return answer
 
     def close(self) -> None:
         """Stop the workers once they finish what they run (no new calls after this)."""
+        for job in (*self._waiting, *self._late):
+            if not job.answer.done():
+                job.answer.set_result(None)
+        self._waiting.clear()
+        self._late.clear()
         self.workers.close()
 
-    def _finished(self, _future: asyncio.Future[Any]) -> None:
-        self.pending -= 1
+    def _dispatch(self) -> None:
+        """Hand workers the next prompts, while they have room."""
+        now = asyncio.get_running_loop().time()
+        while self._running < self.workers.capacity:
+            job = self._next(now)
+            if job is None:
+                return
+            self._start(job)
+
+    def _next(self, now: float) -> _Job[Any] | None:
+        """The oldest waiting prompt that can be ready in time; else the newest late one."""
+        while self._waiting:
+            job = self._waiting.popleft()
+            if job.answer.done():  # its requester gave up waiting
+                self._late.append(job)
+            elif self._fits(job, now):
+                return job
+            else:  # cannot be ready in time: its requester goes on now, not at the deadline
+                job.answer.set_result(None)
+                self._late.append(job)
+        return self._late.pop() if self._late else None
+
+    def _fits(self, job: _Job[Any], now: float) -> bool:
+        """True unless the workers' speed says ``job`` cannot be ready by its deadline (an unknown
+        speed or size: it can)."""
+        return not self._sizes or now + job.size * self._seconds / self._sizes <= job.deadline
+
+    def _start(self, job: _Job[Any]) -> None:
+        self._running += 1
+        try:
+            submitted = self.workers.submit(job.call, job.affinity)
+        except BaseException:
+            self._running -= 1
+            raise
+        asyncio.wrap_future(submitted).add_done_callback(functools.partial(self._finished, job))
+
+    def _finished(self, job: _Job[Any], future: asyncio.Future[tuple[float, Any]]) -> None:
+        self._running -= 1
         self.completed += 1
+        if future.cancelled():  # the workers were closed: routed without the ids
+            if not job.answer.done():
+                job.answer.set_result(None)
+        elif (error := future.exception()) is not None:
+            if not job.answer.done():
+                job.answer.set_exception(error)
+        else:
+            seconds, result = future.result()
+            self._learn(job.size, seconds)
+            if not job.answer.done():
+                job.answer.set_result(result)
+        self._dispatch()
 
-
-def _consume(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
+    def _learn(self, size: int, seconds: float) -> None:
+        # A ratio of sums, not a mean of ratios: a small call slowed by a pause weighs little.
+        if size >= SPEED_MIN_SIZE:
+            self._seconds = self._seconds * (1 - SPEED_WEIGHT) + seconds
+            self._sizes = self._sizes * (1 - SPEED_WEIGHT) + size

@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
+import time
 from array import array
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -48,6 +49,8 @@ class ThreadWorkers:
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
         self.count = threads or os.cpu_count() or 1
+        #: Calls worth handing over at once: one per thread (a queued call would wait blind).
+        self.capacity = self.count
         self._executor: ThreadPoolExecutor | None = None
 
     #: Threads never die on their own (the counterpart of :attr:`ProcessWorkers.lost`).
@@ -60,10 +63,11 @@ class ThreadWorkers:
         """None: threads use this process's own caches, reported with its tokenizers."""
         return None
 
-    def submit(self, call: Callable[[], T], affinity: bytes = b"") -> Future[T]:
+    def submit(self, call: Callable[[], T], affinity: bytes = b"") -> Future[tuple[float, T]]:
+        """``call()`` in a thread; the future holds how long it ran there, and its result."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self.count, thread_name_prefix="tokenize")
-        return self._executor.submit(call)
+        return self._executor.submit(timed, call)
 
     def close(self) -> None:
         if self._executor is not None:
@@ -108,6 +112,8 @@ class ProcessWorkers:
         if count < 1:
             raise ValueError(f"count must be at least 1, got {count}")
         self.count = count
+        # Room for a conversation to stay on its process while the other is busy too.
+        self.capacity = count * AFFINITY_SLACK
         self._setup = setup
         # spawn, not fork: this process runs gRPC and asyncio threads that a fork would copy mid-state.
         self._context = multiprocessing.get_context("spawn")
@@ -127,18 +133,20 @@ class ProcessWorkers:
         for worker in range(self.count):
             self._executor(worker).submit(_ready)
 
-    def submit(self, call: Callable[[], T], affinity: bytes = b"") -> Future[T]:
+    def submit(self, call: Callable[[], T], affinity: bytes = b"") -> Future[tuple[float, T]]:
+        """``call()`` in a process (picklable); the future holds how long it ran there, and its
+        result."""
         with self._lock:
             worker = self._choose(affinity)
             self._busy[worker] += 1
         try:
             executor = self._executor(worker)
             try:
-                future = executor.submit(call)
+                future = executor.submit(timed, call)
             except BrokenProcessPool:  # its process died while idle: replace it, nothing was lost
                 self._retire(worker, executor)
                 executor = self._executor(worker)
-                future = executor.submit(call)
+                future = executor.submit(timed, call)
         except BaseException:
             with self._lock:
                 self._busy[worker] -= 1
@@ -213,12 +221,20 @@ class ProcessWorkers:
                 self.lost += 1
                 self._retire(worker, executor)
             return
-        result = future.result()
+        _, result = future.result()
         if isinstance(result, BodyIds) and result.cache is not None and self._executors[worker] is executor:
             self.cache[worker][result.model] = (result.cache, result.cache_bytes)
 
 
-# -- in the worker process --------------------------------------------------------------------
+# -- in the worker ----------------------------------------------------------------------------
+
+
+def timed(call: Callable[[], T]) -> tuple[float, T]:
+    """``call()`` and how long it ran (seconds), measured where it ran."""
+    started = time.perf_counter()
+    result = call()
+    return time.perf_counter() - started, result
+
 
 _registry: TokenizerRegistry | None = None
 

@@ -95,3 +95,87 @@ async def test_a_calls_exception_reaches_the_caller() -> None:
 def test_bounds_must_be_positive(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         TokenizePool(**kwargs)  # type: ignore[arg-type]
+
+
+async def settle(pool: TokenizePool) -> None:
+    for _ in range(500):
+        if pool.pending == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{pool.pending} prompts still pending")
+
+
+async def test_a_prompt_that_cannot_be_ready_in_time_is_answered_at_once_and_still_runs() -> None:
+    """Once the workers' speed is known, a prompt too big for the budget does not make its request
+    wait the budget out, and it still runs when a worker is free (it teaches the segment tree)."""
+    pool = TokenizePool(threads=1, budget=2.0)
+    release = threading.Event()
+    ran: list[str] = []
+    try:
+        # 2,000 characters in ~100 ms: the pool learns ~50 us per character.
+        assert await pool.run(lambda: time.sleep(0.1) or "measured", size=2000) == "measured"
+        holding = asyncio.create_task(pool.run(lambda: release.wait(5), size=1))
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        # ~5 s of work against a 2 s budget.
+        assert await pool.run(lambda: ran.append("big"), size=100_000) is None
+        assert time.monotonic() - started < 1.0  # not the budget's 2 s
+        assert pool.fallbacks == {"queue_full": 0, "budget": 1}
+        assert ran == []  # the only worker is busy with a prompt someone waits for
+        release.set()
+        assert await holding is True
+        await settle(pool)
+        assert ran == ["big"]  # run once the worker was free
+    finally:
+        release.set()
+        pool.close()
+
+
+async def test_a_waiting_prompt_that_would_finish_too_late_is_not_started() -> None:
+    """Workers take the oldest prompt that can still be ready in time; one that cannot is answered
+    when its turn comes, and the prompt behind it goes first."""
+    pool = TokenizePool(threads=1, budget=1.0)
+    release = threading.Event()
+    order: list[str] = []
+    try:
+        await pool.run(lambda: time.sleep(0.1) or "measured", size=2000)  # ~50 us a character
+        holding = asyncio.create_task(pool.run(lambda: release.wait(5), size=1))
+        await asyncio.sleep(0.05)
+        # Each fits a 1 s budget alone (~0.6 s), but not after ~0.6 s of waiting.
+        first = asyncio.create_task(pool.run(lambda: order.append("first") or "first", size=12_000))
+        await asyncio.sleep(0.6)
+        second = asyncio.create_task(pool.run(lambda: order.append("second") or "second", size=100))
+        await asyncio.sleep(0.05)
+        release.set()
+        assert await holding is True
+        assert await first is None  # its turn came too late to be ready in time
+        assert await second == "second"
+        await settle(pool)
+        assert order == ["second", "first"]  # the late one ran after, for the tree
+        assert pool.fallbacks["budget"] == 1
+    finally:
+        release.set()
+        pool.close()
+
+
+async def test_a_late_prompt_gives_up_its_place_in_a_full_queue() -> None:
+    pool = TokenizePool(threads=1, max_pending=2, budget=0.05)
+    release = threading.Event()
+    ran: list[str] = []
+    try:
+        holding = asyncio.create_task(pool.run(lambda: release.wait(5)))  # runs past its budget
+        await asyncio.sleep(0.01)
+        assert await pool.run(lambda: ran.append("late")) is None  # waits, then late
+        assert pool.pending == 2
+        # The queue is full of a running prompt and a late one: the late one makes room.
+        newest = asyncio.create_task(pool.run(lambda: ran.append("newest")))
+        await asyncio.sleep(0)
+        assert pool.dropped == 1 and pool.fallbacks["queue_full"] == 0
+        release.set()
+        await holding
+        await newest
+        await settle(pool)
+        assert ran == ["newest"]  # the dropped one never ran
+    finally:
+        release.set()
+        pool.close()
