@@ -233,6 +233,7 @@ class _Api:
         if body.get("model") is not None:
             self.limits.resolve_model(self.server.models, body)
         tokenizer = self.server.tokenizer
+        ids: Sequence[int]
         with refusals():
             if "messages" in body:
                 ids = chat_prompt_ids(ChatPrompt.from_body(body), tokenizer, self.server.chat_template)

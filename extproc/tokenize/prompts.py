@@ -12,6 +12,8 @@ Every refusal is a :class:`~extproc.errors.BadRequest` naming the field.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from extproc.errors import BadRequest
 from extproc.openai import ChatPrompt, CompletionPrompt
 from extproc.tokenize.chat_template import ChatTemplate
@@ -22,8 +24,9 @@ from extproc.tokenize.tokenizer import Tokenizer
 
 def completion_prompt_ids(
     prompt: CompletionPrompt, tokenizer: Tokenizer, *, add_special_tokens: bool = True
-) -> list[int]:
-    """Text is encoded (BOS added by default, as vLLM does); token ids must be in the vocabulary."""
+) -> Sequence[int]:
+    """Text is encoded (BOS added by default, as vLLM does); token ids must be in the vocabulary
+    (given ids come back as they are: a tuple, not copied, as long prompts cost a copy each)."""
     if isinstance(prompt.prompt, str):
         return tokenizer.encode(prompt.prompt, add_special_tokens=add_special_tokens)
     vocab = tokenizer.vocab_size
@@ -31,7 +34,7 @@ def completion_prompt_ids(
     if ids and (min(ids) < 0 or max(ids) >= vocab):  # C loops; find the culprit only when there is one
         bad = next(t for t in ids if not 0 <= t < vocab)
         raise BadRequest(f"Token id {bad} is out of vocabulary (size {vocab})", param="prompt")
-    return list(ids)
+    return ids
 
 
 def chat_prompt_text(prompt: ChatPrompt, tokenizer: Tokenizer, template: ChatTemplate) -> str:

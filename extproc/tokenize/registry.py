@@ -8,7 +8,7 @@ for it, and the metrics say so.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +32,7 @@ class ModelTokenizer:
     tokenizer: Tokenizer
     template: ChatTemplate | None
 
-    def prompt_ids(self, prompt: Prompt) -> list[int] | None:
+    def prompt_ids(self, prompt: Prompt) -> Sequence[int] | None:
         """The prompt's token ids; None for a chat prompt when no chat template is known.
 
         Raises :class:`~extproc.errors.BadRequest` when the prompt cannot be tokenized the way the

@@ -50,7 +50,7 @@ def test_prompt_ids_match_what_the_engine_computes() -> None:
     text = template.render(CHAT, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
     assert model.prompt_ids(ChatPrompt(tuple(CHAT))) == tokenizer.encode(text, add_special_tokens=False)
     assert model.prompt_ids(CompletionPrompt("Hi")) == tokenizer.encode("Hi", add_special_tokens=True)
-    assert model.prompt_ids(CompletionPrompt((5, 7))) == [5, 7]
+    assert list(model.prompt_ids(CompletionPrompt((5, 7))) or ()) == [5, 7]
 
 
 def test_different_templates_give_different_prompts() -> None:
