@@ -38,6 +38,7 @@ import orjson
 from bench.machine import machine
 from bench.replay import report
 from bench.replay.policies import ActiveBlocks, DynamoCost, GieLike, RoundRobin
+from bench.replay.stalls import StallSampler
 from bench.replay.trace import TraceRequest, load, pooled_lru, prompt_tokens, summary, upper_bound
 from extproc.catalog.build import build_catalog
 from extproc.catalog.model import Catalog
@@ -153,6 +154,8 @@ async def _fleet(config: dict[str, Any], conn: Connection) -> None:
     )
     observed: dict[str, dict[str, list[float]]] = {}
     cpu0 = time.process_time()
+    stalls = StallSampler()
+    stalls.start()
     async with SimFleet(settings, replicas=config["engines"]) as fleet:
         for server in fleet.servers:
             seen = observed.setdefault(server.address, {"ttft": [], "queue": [], "e2e": []})
@@ -186,7 +189,8 @@ async def _fleet(config: dict[str, Any], conn: Connection) -> None:
                     **observed[server.address],
                 }
             )
-        conn.send({"engines": engines, "cpu_s": time.process_time() - cpu0})
+        stalls.stop()
+        conn.send({"engines": engines, "cpu_s": time.process_time() - cpu0, "stalls": stalls.summary()})
 
 
 def _tap(metrics: Any, seen: dict[str, list[float]]) -> None:
@@ -345,6 +349,7 @@ async def _replay(
         "engine_cpu_s": engines["cpu_s"],
         "prefix_lookups": lookups,
         "engines": engines["engines"],
+        "engine_stalls": engines["stalls"],
         "requests": [asdict(s) for s in sent],
     }
 
@@ -489,6 +494,8 @@ def summarize(arm: dict[str, Any], scale: float) -> dict[str, Any]:
         "engine_cpu_s": arm["engine_cpu_s"],
         "prefix_lookups": arm["prefix_lookups"],
         "engine_lag_dropped_s": sum(e.get("lag_dropped_s", 0.0) for e in engines),
+        # Online only: where the engines' loop stalled (bench/replay/stalls.py).
+        "engine_stalls": arm.get("engine_stalls"),
     }
 
 
@@ -643,6 +650,18 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             summary_["ttft_p99_s"] or -1,
             raw["wall_s"],
         )
+        if stalls := summary_.get("engine_stalls"):
+            log.warning(
+                "arm %s: engines' loop stalled over %g s %d times (%.1f s in all, longest %.3f s; "
+                "their process ran %.1f CPU s meanwhile, %.1f s of it collecting garbage)",
+                arm.name,
+                stalls["threshold_s"],
+                stalls["stalls"],
+                stalls["stalled_s"],
+                stalls["longest_s"],
+                stalls["stalled_cpu_s"],
+                stalls["stalled_gc_s"],
+            )
         result["arms"].append({"summary": summary_, "raw": raw})
     result["total_wall_s"] = time.monotonic() - started
     return result
