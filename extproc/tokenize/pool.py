@@ -14,8 +14,9 @@ Bounded twice, so a burst of long prompts cannot pile up work or latency:
 Either way the request is routed without them (approximate affinity), never fails and never waits
 longer; :attr:`TokenizePool.fallbacks` counts it by reason.
 
-**Deadlines decide what a worker takes next.** The pool hands workers one prompt each, oldest
-first, and only a prompt that can still be ready within its budget (judged by the work's size and
+**Deadlines decide what a worker takes next.** The pool hands workers prompts as they have room
+(a thread one, a process two, so a conversation can keep to its process), oldest first, and only a
+prompt that can still be ready within its budget (judged by the work's size and
 the workers' measured speed). A prompt that cannot is answered at once, routed approximately, not
 left to wait out its budget. Workers therefore spend their time on prompts whose answers someone
 still waits for: under a sustained overload, with first-come-first-served, every prompt would
