@@ -145,6 +145,20 @@ def markdown(result: dict[str, Any]) -> str:
             "slower engines, not the routing:** " + "; ".join(invalid) + ". Run them again on a quieter "
             "machine, or at a larger time scale.",
         ]
+    stalled = [(a["summary"]["policy"], a["summary"].get("engine_stalls")) for a in result["arms"]]
+    if any(st for _, st in stalled):
+        lines += [
+            "",
+            "Engines' event loop held over 50 ms (`bench/replay/stalls.py`; CPU = what their process "
+            "ran meanwhile, GC = the collector's share of it): "
+            + "; ".join(
+                f"{policy}: {st['stalls']} times, {st['stalled_s']:.1f} s (CPU {st['stalled_cpu_s']:.1f} s, "
+                f"GC {st['stalled_gc_s']:.1f} s, longest {st['longest_s'] * 1000:.0f} ms)"
+                for policy, st in stalled
+                if st
+            )
+            + ".",
+        ]
     lines += [
         "",
         "How to read it:",

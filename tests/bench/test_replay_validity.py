@@ -71,3 +71,21 @@ def test_the_crosscheck_names_each_policy_outside_the_tolerance_and_each_invalid
     assert "online run invalid (dispatch lag p99 80 ms > 50)" in late
     assert "Not comparable" not in late
     assert "Not comparable" in markdown(online, {**offline, "trace": {"first_row": 5, "requests": 3000}})
+
+
+def test_with_several_offline_seeds_each_policy_is_set_against_the_nearest_and_its_range_shown() -> None:
+    from bench.replay.crosscheck import markdown
+
+    online = _run({"a": (0.088, 1.00), "b": (0.10, 1.00)})
+    seeds = [
+        _run({"a": (0.0974, 1.00), "b": (0.10, 1.00)}),
+        _run({"a": (0.1065, 1.00), "b": (0.13, 1.00)}),
+        _run({"a": (0.0959, 1.00), "b": (0.13, 1.00)}),
+    ]
+    text = markdown(online, seeds)
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines()}
+    # a: the nearest seed (9.59%) is +9.0% off 8.8%: within. The first seed alone (+10.7%) is not.
+    assert "/ 9.59% (9.59%-10.65%) | +9.0%" in rows["a"] and rows["a"].endswith("| yes |")
+    assert markdown(online, seeds[0]).count("**no**") == 1
+    assert rows["b"].endswith("| yes |") and "(10.00%-13.00%)" in rows["b"]
+    assert "3 tie-break seeds" in text
