@@ -11,6 +11,15 @@ import pytest
 from extproc.tokenize.pool import TokenizePool
 
 
+async def settle(pool: TokenizePool) -> None:
+    """Until every prompt, late ones included, has run."""
+    for _ in range(500):
+        if pool.pending == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{pool.pending} prompts still pending")
+
+
 async def test_a_call_runs_in_a_worker_thread_while_the_loop_goes_on() -> None:
     pool = TokenizePool(threads=2, budget=5.0)
     loop_thread = threading.get_ident()
@@ -47,11 +56,7 @@ async def test_past_its_budget_a_request_goes_on_without_the_result() -> None:
         assert time.monotonic() - started < 1.0
         assert pool.fallbacks["budget"] == 1 and pool.pending == 1
         release.set()
-        for _ in range(200):
-            if pool.pending == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert pool.pending == 0
+        await settle(pool)
     finally:
         release.set()
         pool.close()
@@ -95,14 +100,6 @@ async def test_a_calls_exception_reaches_the_caller() -> None:
 def test_bounds_must_be_positive(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         TokenizePool(**kwargs)  # type: ignore[arg-type]
-
-
-async def settle(pool: TokenizePool) -> None:
-    for _ in range(500):
-        if pool.pending == 0:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{pool.pending} prompts still pending")
 
 
 async def test_a_prompt_that_cannot_be_ready_in_time_is_answered_at_once_and_still_runs() -> None:
