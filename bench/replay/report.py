@@ -146,10 +146,12 @@ def markdown(result: dict[str, Any]) -> str:
             "machine, or at a larger time scale.",
         ]
     stalled = [(a["summary"]["policy"], a["summary"].get("engine_stalls")) for a in result["arms"]]
-    if any(st for _, st in stalled):
+    threshold = next((st["threshold_s"] for _, st in stalled if st), None)
+    if threshold is not None:
         lines += [
             "",
-            "Engines' event loop held over 50 ms (`bench/replay/stalls.py`; CPU = what their process "
+            f"Engines' event loop held over {threshold * 1000:g} ms (`bench/replay/stalls.py`; CPU = "
+            "what their process "
             "ran meanwhile, GC = the collector's share of it): "
             + "; ".join(
                 f"{policy}: {st['stalls']} times, {st['stalled_s']:.1f} s (CPU {st['stalled_cpu_s']:.1f} s, "
