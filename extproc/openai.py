@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import unquote
 
+import msgspec
 import orjson
 
 from extproc.errors import BadRequest
@@ -97,6 +98,9 @@ class ChatPrompt:
         )
 
 
+_TOKEN_IDS = tuple[int, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class CompletionPrompt:
     """A completions request's one prompt: text, or token ids (vocabulary not checked here)."""
@@ -113,11 +117,15 @@ class CompletionPrompt:
             if not prompt:
                 raise BadRequest("'prompt' must not be empty", param="prompt")
             return cls(prompt)
-        if isinstance(prompt, list) and prompt and set(map(type, prompt)) == {int}:  # (bool is not int)
-            return cls(tuple(prompt))
-        if isinstance(prompt, list) and len(prompt) > 1:
+        if not isinstance(prompt, list) or not prompt:
+            raise BadRequest("'prompt' must be a string or a list of token ids", param="prompt")
+        if len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
             raise BadRequest("one prompt per request is supported, got a batch", param="prompt")
-        raise BadRequest("'prompt' must be a string or a list of token ids", param="prompt")
+        try:  # one C pass that checks and copies (3x a set of types, then a tuple)
+            return cls(msgspec.convert(prompt, _TOKEN_IDS))
+        except msgspec.ValidationError as e:  # (bool is not int for msgspec either)
+            message = f"'prompt' must be a string or a list of token ids: {e}"
+            raise BadRequest(message, param="prompt") from None
 
 
 Prompt = ChatPrompt | CompletionPrompt

@@ -30,7 +30,9 @@ import gc
 import heapq
 import itertools
 import random
+import sys
 import time
+from array import array
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -57,6 +59,8 @@ from extproc.types import EndpointAddress
 #: The token every simulated answer repeats (the online simulator repeats a filler sentence; what
 #: the answer holds only matters to the blocks it fills, which no later prompt shares).
 _ANSWER_TOKEN = 42
+#: Bytes of the simulator's block digests (SHA-256).
+_DIGEST = 32
 
 
 @dataclass(slots=True)
@@ -330,6 +334,22 @@ class OfflineReplay:
         }
 
 
+def _engine_hashes(digests: list[bytes]) -> list[int]:
+    """Each digest's last 8 bytes read big-endian, as the wire's uint64s carry them.
+
+    SHA-256 digests (the simulator's) are read in one array pass: ~6% of an offline run went to
+    ``int.from_bytes`` one hash at a time.
+    """
+    joined = b"".join(digests)
+    if len(joined) != _DIGEST * len(digests):
+        return [int.from_bytes(h, "big") & U64_MASK for h in digests]
+    words = array("Q")
+    words.frombytes(joined)
+    if sys.byteorder == "little":
+        words.byteswap()
+    return words[_DIGEST // 8 - 1 :: _DIGEST // 8].tolist()
+
+
 def router_batch(events: list[sim.KVEvent], ts: float) -> DecodedBatch:
     """A step's events as the router's decoder returns them from vLLM's wire form, without the wire.
 
@@ -351,13 +371,13 @@ def router_batch(events: list[sim.KVEvent], ts: float) -> DecodedBatch:
                 out.append(BlockRemoved(tuple(removed), removed_medium))
                 removed = []
             removed_medium = event.medium
-            removed.extend(from_bytes(h, "big") & U64_MASK for h in event.block_hashes)
+            removed.extend(_engine_hashes(event.block_hashes))
             continue
         if removed:
             out.append(BlockRemoved(tuple(removed), removed_medium))
             removed = []
         if type(event) is sim.BlockStored:
-            hashes = tuple(from_bytes(h, "big") & U64_MASK for h in event.block_hashes)
+            hashes = tuple(_engine_hashes(event.block_hashes))
             tokens = event.token_ids
             if not hashes or (tokens and len(tokens) != len(hashes) * event.block_size):
                 skipped += 1
