@@ -33,6 +33,7 @@ import random
 import sys
 import time
 from array import array
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -59,8 +60,6 @@ from extproc.types import EndpointAddress
 #: The token every simulated answer repeats (the online simulator repeats a filler sentence; what
 #: the answer holds only matters to the blocks it fills, which no later prompt shares).
 _ANSWER_TOKEN = 42
-#: Bytes of the simulator's block digests (SHA-256).
-_DIGEST = 32
 
 
 @dataclass(slots=True)
@@ -334,20 +333,21 @@ class OfflineReplay:
         }
 
 
-def _engine_hashes(digests: list[bytes]) -> list[int]:
+def _engine_hashes(digests: Sequence[bytes]) -> tuple[int, ...]:
     """Each digest's last 8 bytes read big-endian, as the wire's uint64s carry them.
 
-    SHA-256 digests (the simulator's) are read in one array pass: ~6% of an offline run went to
-    ``int.from_bytes`` one hash at a time.
+    Digests of one size that is a multiple of 8 (the simulator's: 32 bytes, 16 with xxhash) are
+    read in one array pass: ~6% of an offline run went to ``int.from_bytes`` one hash at a time.
     """
-    joined = b"".join(digests)
-    if len(joined) != _DIGEST * len(digests):
-        return [int.from_bytes(h, "big") & U64_MASK for h in digests]
+    sizes = set(map(len, digests))
+    size = sizes.pop() if len(sizes) == 1 else 0
+    if not size or size % 8:
+        return tuple(int.from_bytes(h, "big") & U64_MASK for h in digests)
     words = array("Q")
-    words.frombytes(joined)
+    words.frombytes(b"".join(digests))
     if sys.byteorder == "little":
         words.byteswap()
-    return words[_DIGEST // 8 - 1 :: _DIGEST // 8].tolist()
+    return tuple(words[size // 8 - 1 :: size // 8].tolist())
 
 
 def router_batch(events: list[sim.KVEvent], ts: float) -> DecodedBatch:
@@ -362,22 +362,22 @@ def router_batch(events: list[sim.KVEvent], ts: float) -> DecodedBatch:
     """
     out: list[RouterEvent] = []
     skipped = 0
-    removed: list[int] = []
+    removed: list[bytes] = []  # digests, read in one pass when the run of removals ends
     removed_medium: str | None = None
     from_bytes = int.from_bytes
     for event in events:
         if type(event) is sim.BlockRemoved:
             if removed and event.medium != removed_medium:
-                out.append(BlockRemoved(tuple(removed), removed_medium))
+                out.append(BlockRemoved(_engine_hashes(removed), removed_medium))
                 removed = []
             removed_medium = event.medium
-            removed.extend(_engine_hashes(event.block_hashes))
+            removed += event.block_hashes
             continue
         if removed:
-            out.append(BlockRemoved(tuple(removed), removed_medium))
+            out.append(BlockRemoved(_engine_hashes(removed), removed_medium))
             removed = []
         if type(event) is sim.BlockStored:
-            hashes = tuple(_engine_hashes(event.block_hashes))
+            hashes = _engine_hashes(event.block_hashes)
             tokens = event.token_ids
             if not hashes or (tokens and len(tokens) != len(hashes) * event.block_size):
                 skipped += 1
@@ -397,5 +397,5 @@ def router_batch(events: list[sim.KVEvent], ts: float) -> DecodedBatch:
         else:
             out.append(AllBlocksCleared())
     if removed:
-        out.append(BlockRemoved(tuple(removed), removed_medium))
+        out.append(BlockRemoved(_engine_hashes(removed), removed_medium))
     return DecodedBatch(ts=ts, events=out, dp_rank=0, skipped=skipped)

@@ -115,6 +115,15 @@ class PrefixCounters:
     lookups: dict[str, int] = field(default_factory=lambda: {"precise": 0, "approximate": 0, "none": 0})
     tokenize_errors: int = 0
     loop_hold: LoopHold = field(default_factory=LoopHold)
+    #: The same holds in the loop thread's CPU time: what tokenizing cost, without the time the
+    #: thread waited for a core or for the GIL (which a busy machine adds to the wall time).
+    loop_hold_cpu: LoopHold = field(default_factory=LoopHold)
+
+    def observe_hold(self, started: float, started_cpu: float) -> None:
+        """One tokenization on the loop, begun at ``perf_counter()`` ``started`` and
+        ``thread_time()`` ``started_cpu``."""
+        self.loop_hold.observe(time.perf_counter() - started)
+        self.loop_hold_cpu.observe(time.thread_time() - started_cpu)
 
 
 class PrefixScorer:
@@ -172,11 +181,11 @@ class PrefixScorer:
         try:
             if self.pool.in_processes and request.body:
                 return await self._tokenized_in_process(model, request, _block_sizes(catalog, route))
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.thread_time()
             try:
                 step = _tokenize_here(model, tokenizer, request, catalog, route)
             finally:
-                self.counters.loop_hold.observe(time.perf_counter() - started)
+                self.counters.observe_hold(started, started_cpu)
             if isinstance(step, Tokenized):
                 return step
             call, size = step
@@ -260,14 +269,14 @@ class PrefixScorer:
         tokenizer = self._tokenizer(model)
         if tokenizer is None:
             return None
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         try:
             prompt = request.read_prompt()
             return None if prompt is None else _tokenize(model, tokenizer, prompt)
         except Exception as exc:
             self._tokenize_failed(model, exc)
         finally:
-            self.counters.loop_hold.observe(time.perf_counter() - started)
+            self.counters.observe_hold(started, started_cpu)
         return None
 
     def _tokenize_failed(self, model: str, exc: Exception) -> None:

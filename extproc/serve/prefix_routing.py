@@ -21,7 +21,7 @@ from extproc.kvindex.follow import KVEventsFollower
 from extproc.kvindex.index import PrefixIndex
 from extproc.kvindex.ingest import IndexIngest
 from extproc.kvindex.subscriptions import KVSubscriptions
-from extproc.scheduling.prefix import LOOP_HOLD_BUCKETS, PrefixScorer
+from extproc.scheduling.prefix import LOOP_HOLD_BUCKETS, LoopHold, PrefixScorer
 from extproc.settings import PrefixSettings
 from extproc.tokenize.pool import TokenizePool
 from extproc.tokenize.registry import TokenizerRegistry
@@ -133,6 +133,14 @@ class PrefixRouting:
         }
 
 
+def _hold_histogram(name: str, documentation: str, hold: LoopHold) -> HistogramMetricFamily:
+    cumulative, buckets = 0, []
+    for bound, count in zip((*LOOP_HOLD_BUCKETS, float("inf")), hold.counts, strict=True):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+    return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=hold.total)
+
+
 def _workers(settings: PrefixSettings) -> ThreadWorkers | ProcessWorkers:
     if settings.tokenize_processes:
         setup = WorkerSetup(settings.tokenizers, settings.hf_cache, settings.tokenize_cache_bytes)
@@ -184,18 +192,19 @@ class PrefixCollector(Collector):
                 "for new ones in --tokenize-queue; run, they would only have taught the segment tree.",
                 value=pool.dropped,
             )
-        hold = r.scorer.counters.loop_hold
-        cumulative, buckets = 0, []
-        for bound, count in zip((*LOOP_HOLD_BUCKETS, float("inf")), hold.counts, strict=True):
-            cumulative += count
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-        yield HistogramMetricFamily(
+        counters = r.scorer.counters
+        yield _hold_histogram(
             "extproc_tokenize_loop_seconds",
             "How long each prompt's tokenization held the event loop (rendering, finding its "
             "known prefix, encoding a short new part; with --tokenize-threads 0, all of it; the "
             "rest runs in the pool). Every decision in flight waits that long.",
-            buckets=buckets,
-            sum_value=hold.total,
+            counters.loop_hold,
+        )
+        yield _hold_histogram(
+            "extproc_tokenize_loop_cpu_seconds",
+            "The same holds in the loop thread's CPU time: what the tokenizing itself cost. Wall "
+            "time above it is the thread waiting for a core or for the GIL.",
+            counters.loop_hold_cpu,
         )
         lookups_cached = CounterMetricFamily(
             "extproc_tokenize_cache_lookups",

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 from extproc.errors import ConfigError
 from extproc.sim.kv_events import KVEvent
-from extproc.sim.prefix_cache import PrefixCache, extend_block_hashes
+from extproc.sim.prefix_cache import Digest, PrefixCache, block_digest, extend_block_hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +81,8 @@ class EngineParams:
     cpu_offload_blocks: int = 0
     #: CPU->GPU load speed: 128 KiB of KV per token over ~50 GB/s of effective PCIe Gen5 x16.
     cpu_load_tokens_per_s: float = 380_000.0
+    #: vLLM's ``--prefix-caching-hash-algo``: what hashes the blocks (see HASH_ALGOS).
+    prefix_caching_hash_algo: str = "sha256"
 
     def __post_init__(self) -> None:
         for name in (
@@ -117,6 +119,7 @@ class EngineParams:
                 f"engine cpu_offload_blocks {cpu} x {published or self.block_size} tokens cannot hold "
                 f"one max_model_len {self.max_model_len} sequence; use 0 for no CPU tier"
             )
+        block_digest(self.prefix_caching_hash_algo)  # a ConfigError naming it if unknown or missing
         if self.num_gpu_blocks * self.block_size < self.max_model_len:
             # vLLM refuses to start when one max-length sequence cannot fit in the KV cache.
             raise ConfigError(
@@ -193,13 +196,13 @@ class _Req:
         "tokens",
     )
 
-    def __init__(self, req: SimRequest, block_size: int) -> None:
+    def __init__(self, req: SimRequest, block_size: int, digest: Digest) -> None:
         self.req = req
         self.request_id = req.request_id
         self.output_token_ids = req.output_token_ids
         self.tokens = list(req.prompt_token_ids)
         self.hashes: list[bytes] = []
-        extend_block_hashes(self.hashes, self.tokens, block_size, req.lora_name, req.cache_salt)
+        extend_block_hashes(self.hashes, self.tokens, block_size, req.lora_name, req.cache_salt, digest)
         self.num_computed = 0
         #: Tokens the held blocks can take (a multiple of block_size); avoids a cache call per step.
         self.capacity = 0
@@ -216,6 +219,7 @@ class EngineCore:
 
     def __init__(self, params: EngineParams | None = None) -> None:
         self.params = params if params is not None else EngineParams()
+        self._digest = block_digest(self.params.prefix_caching_hash_algo)
         p = self.params
         self.cache = PrefixCache(
             p.num_gpu_blocks,
@@ -258,7 +262,7 @@ class EngineCore:
                 f"request {req.request_id!r} has {total} prompt+output tokens, over max_model_len "
                 f"{self.params.max_model_len}: the HTTP layer must reject it"
             )
-        r = _Req(req, self.params.block_size)
+        r = _Req(req, self.params.block_size, self._digest)
         self._requests[req.request_id] = r
         self._waiting.append(r)
 
@@ -499,7 +503,9 @@ class EngineCore:
                     out.finish_reason = r.req.finish_reason
                     finished.append(r)
                 if not len(tokens) % block_size:
-                    extend_block_hashes(r.hashes, tokens, block_size, r.req.lora_name, r.req.cache_salt)
+                    extend_block_hashes(
+                        r.hashes, tokens, block_size, r.req.lora_name, r.req.cache_salt, self._digest
+                    )
             if n >= block_size or computed % block_size < n:  # a block boundary was crossed
                 cache.cache_blocks(r.request_id, r.hashes, tokens, computed)
         self.generation_tokens += len(outputs)

@@ -1,8 +1,8 @@
 """The simulator's KV-cache events, as vLLM's ``distributed/kv_events.py`` defines them.
 
 These are what a simulated engine step produces; :mod:`extproc.sim.kv_wire` turns a batch of
-them into the exact bytes vLLM publishes. Hashes are kept as 32-byte digests, the way vLLM
->= 0.10.2 keeps ``BlockHash`` internally; the wire encoder turns them into uint64 (vLLM's default,
+them into the exact bytes vLLM publishes. Hashes are kept as digests (32 bytes; 16 with xxhash), the
+way vLLM >= 0.10.2 keeps ``BlockHash`` internally; the wire encoder turns them into uint64 (vLLM's default,
 the last 8 bytes read big-endian) or leaves them as bytes.
 
 Fields vLLM has but a simulated GPU pool never fills (``kv_cache_spec_kind``,
@@ -26,7 +26,7 @@ MEDIUM_GPU = "GPU"
 class BlockStored(msgspec.Struct, frozen=True, gc=False):
     """Full blocks entered the prefix cache (one event per engine ``cache_full_blocks`` call)."""
 
-    #: One 32-byte digest per block, in sequence order.
+    #: One digest per block, in sequence order.
     block_hashes: tuple[bytes, ...]
     #: Digest of the block just before the first one here; None when the span starts at token 0.
     parent_block_hash: bytes | None

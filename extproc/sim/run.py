@@ -18,6 +18,7 @@ from extproc.sim.engine_core import EngineParams
 from extproc.sim.fleet import SimFleet
 from extproc.sim.kv_publisher import PublisherFaults
 from extproc.sim.kv_wire import EventEncoding, HashFormat
+from extproc.sim.prefix_cache import HASH_ALGOS
 from extproc.sim.settings import (
     KVEventSettings,
     LoraModule,
@@ -126,6 +127,12 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         default=d.cpu_load_tokens_per_s,
         help=f"CPU->GPU KV load speed ({d.cpu_load_tokens_per_s:g}; ~50 GB/s PCIe Gen5, 128 KiB/token)",
     )
+    g.add_argument(
+        "--prefix-caching-hash-algo",
+        choices=HASH_ALGOS,
+        default=d.prefix_caching_hash_algo,
+        help="what hashes the blocks, as vLLM's flag (sha256; xxhash needs the xxhash package)",
+    )
     g.add_argument("--data-parallel-size", type=int, default=1, help="DP ranks, each its own cache (1)")
     g.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per simulated second (1.0)")
     g = p.add_argument_group("KV events (the engine's ZMQ publisher)")
@@ -146,7 +153,7 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "--kv-hash-format",
         choices=[h.value for h in HashFormat],
         default=None,
-        help="vLLM only: int = uint64 (vLLM default), bytes = 32-byte digest (int)",
+        help="vLLM only: int = uint64 (vLLM default), bytes = the digest (int)",
     )
     g.add_argument(
         "--kv-replay-frames",
@@ -184,6 +191,7 @@ def sim_settings(args: argparse.Namespace) -> SimSettings:
         published_block_size=args.published_block_size or args.block_size,
         cpu_offload_blocks=args.cpu_offload_blocks,
         cpu_load_tokens_per_s=args.cpu_load_tokens_per_s,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
     )
     faults = PublisherFaults(drop_probability=args.kv_drop_probability, delay_seconds=args.kv_delay_ms / 1000)
     kv: KVEventSettings | None = None

@@ -275,7 +275,7 @@ class SimServer:
             "block_size": str(engine.block_size),
             "num_gpu_blocks": str(engine.num_gpu_blocks),
             "enable_prefix_caching": "True",
-            "prefix_caching_hash_algo": "sha256",
+            "prefix_caching_hash_algo": engine.prefix_caching_hash_algo,
             "hash_block_size": str(engine.block_size),
             "cache_dtype": "auto",
         }

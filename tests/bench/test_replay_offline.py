@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 # The benchmarks are not an installed package: import them from the repo root (see test_replay_trace).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -74,8 +76,9 @@ def _per_hash(batch: DecodedBatch) -> list[object]:
     return out
 
 
-def test_events_handed_over_decoded_are_what_the_wire_decodes_to() -> None:
-    digest = [bytes([i]) * 32 for i in range(6)]
+@pytest.mark.parametrize("size", [32, 16, 12], ids=["sha256", "xxhash", "odd-size"])
+def test_events_handed_over_decoded_are_what_the_wire_decodes_to(size: int) -> None:
+    digest = [bytes(range(i, i + size)) for i in range(6)]
     events: list[sim.KVEvent] = [
         sim.BlockStored((digest[0], digest[1]), None, tuple(range(32)), 16, 1, "adapter", cache_salt="s"),
         sim.BlockStored((digest[2],), digest[1], tuple(range(16)), 16, 1, "adapter", cache_salt="s"),
@@ -97,9 +100,16 @@ def test_events_handed_over_decoded_are_what_the_wire_decodes_to() -> None:
     assert [len(e.engine_hashes) for e in direct.events if isinstance(e, BlockRemoved)] == [2, 1, 1]
 
 
-def test_the_replay_is_the_same_with_events_decoded_or_on_the_wire() -> None:
+@pytest.mark.parametrize("algo", ["sha256", "xxhash"])
+def test_the_replay_is_the_same_with_events_decoded_or_on_the_wire(algo: str) -> None:
     """Small GPU pools and a CPU tier, so blocks are evicted, offloaded and loaded back."""
-    engine = {**ENGINE, "num_gpu_blocks": 500, "max_model_len": 8000, "cpu_offload_blocks": 1500}
+    engine = {
+        **ENGINE,
+        "num_gpu_blocks": 500,
+        "max_model_len": 8000,
+        "cpu_offload_blocks": 1500,
+        "prefix_caching_hash_algo": algo,
+    }
     replays = []
     for wire in (True, False):
         cfg = Config(engines=3, time_scale=1.0, output_cap=64, engine=engine, seed=3, wire_events=wire)
@@ -112,3 +122,22 @@ def test_the_replay_is_the_same_with_events_decoded_or_on_the_wire() -> None:
     ]
     assert wired.routing.index.stats() == direct.routing.index.stats()
     assert sum(e["external_prefix_cache_hits"] for e in decoded["engines"]) > 0
+
+
+def test_the_engines_hash_algorithm_changes_no_decision() -> None:
+    """The replay's engines hash with xxhash by default: routers key blocks by their tokens, so every
+    route, cache hit and latency is what sha256 gives."""
+    requests = conversations()
+    raws = []
+    for algo in ("sha256", "xxhash"):
+        cfg = Config(
+            engines=4,
+            time_scale=1.0,
+            output_cap=64,
+            engine={**ENGINE, "prefix_caching_hash_algo": algo},
+            seed=3,
+        )
+        raws.append(offline_arm(ours(), requests, cfg, VOCAB))
+    fields = ("endpoint", "router_cached", "engine_cached", "ttft_wall_s", "e2e_wall_s")
+    sha, xx = ([[r[f] for f in fields] for r in raw["requests"]] for raw in raws)
+    assert sha == xx and any(r[2] for r in sha)

@@ -10,10 +10,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from extproc.errors import ConfigError
+from extproc.sim.engine_core import EngineParams
 from extproc.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from extproc.sim.prefix_cache import (
     NONE_HASH,
     PrefixCache,
+    block_digest,
     block_hash,
     extend_block_hashes,
     none_hash,
@@ -85,21 +88,38 @@ def test_block_hash_layout() -> None:
     assert len(block_hash(expected, [1], "adapter")) == 32
 
 
+def test_xxhash_hashes_the_same_layout_into_16_bytes() -> None:
+    """vLLM's --prefix-caching-hash-algo xxhash: xxh3_128 of the same layout."""
+    import xxhash
+
+    layout = NONE_HASH + struct.pack("<3I", 2, 7, 70000)
+    assert block_hash(None, [7, 70000], None, digest=block_digest("xxhash")) == xxhash.xxh3_128_digest(layout)
+
+
+def test_an_unknown_hash_algorithm_is_refused_by_name() -> None:
+    expected = "prefix_caching_hash_algo must be one of sha256, xxhash, got 'md5'"
+    with pytest.raises(ConfigError, match=expected):
+        EngineParams(prefix_caching_hash_algo="md5")
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxhash"])
 @pytest.mark.parametrize(("lora", "salt"), [(None, None), ("adapter", None), (None, "tenant")])
 def test_extending_a_chain_in_steps_gives_the_digests_of_hashing_block_by_block(
-    lora: str | None, salt: str | None
+    lora: str | None, salt: str | None, algo: str
 ) -> None:
     """However the tokens arrive (a prompt, then generated tokens, partial blocks left over), the
     chain is each full block's digest on its parent's, as :func:`block_hash` makes it one by one."""
+    digest = block_digest(algo)
     tokens = [(i * 7919) % 150_000 for i in range(1_000)]
     expected: list[bytes] = []
     parent = None
     for start in range(0, 992, 16):
-        parent = block_hash(parent, tokens[start : start + 16], lora, salt)
+        parent = block_hash(parent, tokens[start : start + 16], lora, salt, digest)
         expected.append(parent)
+    assert len(set(expected)) == len(expected)
     hashes: list[bytes] = []
     for end in (5, 16, 300, 300, 999, 1_000):
-        extend_block_hashes(hashes, tokens[:end], 16, lora, salt)
+        extend_block_hashes(hashes, tokens[:end], 16, lora, salt, digest)
         assert hashes == expected[: end // 16]
 
 

@@ -73,6 +73,14 @@ def test_cpu_offload_flags_reach_the_engine() -> None:
     assert default.cpu_offload_blocks == 0
 
 
+def test_the_hash_algorithm_flag_reaches_the_engine() -> None:
+    parser = argparse.ArgumentParser()
+    add_sim_parser(parser.add_subparsers())
+    args = parser.parse_args(["sim", "--prefix-caching-hash-algo", "xxhash"])
+    assert sim_settings(args).engine.prefix_caching_hash_algo == "xxhash"
+    assert sim_settings(parser.parse_args(["sim"])).engine.prefix_caching_hash_algo == "sha256"
+
+
 async def test_sim_prints_where_it_listens_and_stops_on_sigterm() -> None:
     """The command prints its HTTP and KV-event endpoints, serves, and exits 0 on SIGTERM."""
     port = free_port()
