@@ -46,6 +46,11 @@ def _pooled(ub: dict[str, Any]) -> list[str]:
     ]
 
 
+def _hashing(ep: dict[str, Any]) -> str:
+    algo = ep.get("prefix_caching_hash_algo")
+    return "" if algo is None else f", blocks hashed with {algo} (routers key them by their tokens)"
+
+
 def _offload(ep: dict[str, Any]) -> str:
     blocks = ep.get("cpu_offload_blocks", 0)
     if not blocks:
@@ -88,7 +93,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"(= {ep['num_gpu_blocks'] * ep['block_size']:,} tokens) per engine, max_model_len "
         f"{ep['max_model_len']}, max_num_seqs {ep['max_num_seqs']}, max_num_batched_tokens "
         f"{ep['max_num_batched_tokens']}, prefill {ep['prefill_tokens_per_s']:.0f} tok/s, decode "
-        f"{ep['decode_base_s'] * 1000:g} ms + {ep['decode_per_seq_s'] * 1000:g} ms/seq per step."
+        f"{ep['decode_base_s'] * 1000:g} ms + {ep['decode_per_seq_s'] * 1000:g} ms/seq per step"
+        + _hashing(ep)
+        + "."
         + _offload(ep),
         f"Transport: {c['transport']}. Engine signals: {c['engine_signals']}. "
         f"Engines show {c.get('engine_kind', 'vllm')}'s surface (metric names, KV-event encoding).",
