@@ -42,11 +42,12 @@ from pathlib import Path
 from typing import Any
 
 from machine import machine, provenance, record
+from replay.rows import TRACE_BLOCK, trace_rows
 
 HERE = Path(__file__).resolve().parent
-TRACE = HERE.parents[1] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-#: Mooncake's hash ids stand for blocks of this many tokens.
-TRACE_BLOCK = 512
+#: Where the shared traces are: a recorded run's trace is looked up here by name when its recorded
+#: path does not exist (another checkout, another machine).
+TRACES = HERE.parents[1] / "shared" / "traces"
 #: Our engine parameters the mocker takes as they are.
 SHARED_ENGINE_ARGS = (
     "block_size",
@@ -72,6 +73,7 @@ def load_ours(paths: list[Path]) -> dict[str, Any]:
             raise Mismatch(f"{path}: not an offline replay result (python -m bench.replay --offline)")
         config = recorded["config"]
         this = {
+            "trace": str(trace_file(recorded["trace"]["path"])),
             "rows": recorded["trace"]["requests"],
             "first_row": recorded["trace"]["first_row"],
             "engines": config["engines"],
@@ -80,7 +82,7 @@ def load_ours(paths: list[Path]) -> dict[str, Any]:
         }
         if setup is None:
             setup = this
-            lengths = input_lengths(this["rows"])  # the same rows for every run (checked below)
+            lengths = input_lengths(Path(this["trace"]), this["rows"])  # the same for every run (checked)
             rate = this["engine_params"]["prefill_tokens_per_s"]
         elif this != setup:
             raise Mismatch(f"{path}: rows, engines or output cap differ from {paths[0]}: {this} != {setup}")
@@ -101,9 +103,14 @@ def load_ours(paths: list[Path]) -> dict[str, Any]:
     return {**setup, "policies": policies}
 
 
-def input_lengths(rows: int) -> list[int]:
-    with TRACE.open() as source:
-        return [json.loads(line)["input_length"] for _, line in zip(range(rows), source, strict=False)]
+def trace_file(recorded: str) -> Path:
+    """The trace a recorded run played: its recorded path, or the shared trace of that name."""
+    path = Path(recorded)
+    return path if path.is_file() else TRACES / path.name
+
+
+def input_lengths(trace: Path, rows: int) -> list[int]:
+    return [row["input_length"] for _, row in zip(range(rows), trace_rows(trace), strict=False)]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -146,14 +153,13 @@ def timing_profile(params: dict[str, Any], path: Path) -> None:
     )
 
 
-def write_rows(path: Path, rows: int, output_cap: int) -> None:
-    """The trace's first ``rows`` rows, answers capped at ``output_cap`` tokens as our replay caps them."""
+def write_rows(path: Path, trace: Path, rows: int, output_cap: int) -> None:
+    """The trace's first ``rows`` rows as Mooncake rows (the mocker's format), answers capped at
+    ``output_cap`` tokens as our replay caps them."""
     lines = []
-    with TRACE.open() as source:
-        for _, line in zip(range(rows), source, strict=False):
-            row = json.loads(line)
-            row["output_length"] = max(1, min(row["output_length"], output_cap))
-            lines.append(json.dumps(row) + "\n")
+    for _, row in zip(range(rows), trace_rows(trace), strict=False):
+        row["output_length"] = max(1, min(row["output_length"], output_cap))
+        lines.append(json.dumps(row) + "\n")
     if len(lines) != rows:
         raise Mismatch(f"the trace has {len(lines)} rows, the recorded runs played {rows}")
     path.write_text("".join(lines))
@@ -243,14 +249,15 @@ def cross_check(results: dict[str, Any]) -> list[str]:
 
 
 def report(results: dict[str, Any]) -> str:
-    ours = results["ours"]
+    ours = {"trace": "mooncake_conversation_trace.jsonl", **results["ours"]}  # (recorded before it was kept)
     params = ours["engine_params"]
     lines = [
         "# Routing quality: Dynamo's real KV router on the same trace, engines matched",
         "",
         f"{provenance(results['machine'])}; ai-dynamo-runtime {results['dynamo_version']}.",
         "",
-        f"Trace `{TRACE.name}` rows 0-{ours['rows'] - 1}; {ours['engines']} engines on both simulators, "
+        f"Trace `{Path(ours['trace']).name}` rows 0-{ours['rows'] - 1}; {ours['engines']} engines on both "
+        "simulators, "
         f"matched: {params['num_gpu_blocks']:,} KV blocks x {params['block_size']} tokens, max_num_seqs "
         f"{params['max_num_seqs']}, max_num_batched_tokens {params['max_num_batched_tokens']}, answers "
         f"capped at {ours['output_cap']} tokens, and the mocker's timing model filled from ours (prefill "
@@ -305,7 +312,7 @@ def main() -> None:
     params = ours["engine_params"]
     with tempfile.TemporaryDirectory() as tmp:
         trace, timing = Path(tmp) / "rows.jsonl", Path(tmp) / "timing.npz"
-        write_rows(trace, ours["rows"], ours["output_cap"])
+        write_rows(trace, Path(ours["trace"]), ours["rows"], ours["output_cap"])
         timing_profile(params, timing)
         engine = {name: params[name] for name in SHARED_ENGINE_ARGS}
         engine["timing_model"] = {

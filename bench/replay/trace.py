@@ -14,7 +14,6 @@ bound) and the prompts it sends (the expansion) are unit-tested and identical in
 
 from __future__ import annotations
 
-import json
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -23,8 +22,7 @@ from pathlib import Path
 
 import numpy
 
-#: Tokens per trace hash id (Mooncake's block size).
-TRACE_BLOCK = 512
+from bench.replay.rows import TRACE_BLOCK, trace_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,24 +37,23 @@ class TraceRequest:
 
 
 def load(path: Path, *, requests: int | None = None, start: int = 0) -> list[TraceRequest]:
-    """A contiguous slice of the trace (``requests`` rows from row ``start``), arrivals rebased to 0."""
+    """A contiguous slice of the trace (``requests`` rows from row ``start``), arrivals rebased to 0;
+    a Mooncake ``.jsonl`` or an Azure ``.csv`` (see :mod:`bench.replay.rows`)."""
     rows: list[TraceRequest] = []
-    with path.open(encoding="utf-8") as f:
-        for index, line in enumerate(f):
-            if index < start or not line.strip():
-                continue
-            if requests is not None and len(rows) >= requests:
-                break
-            row = json.loads(line)
-            rows.append(
-                TraceRequest(
-                    index=index,
-                    arrival_s=row["timestamp"] / 1000.0,
-                    input_length=int(row["input_length"]),
-                    output_length=int(row["output_length"]),
-                    hash_ids=tuple(int(h) for h in row["hash_ids"]),
-                )
+    for index, row in enumerate(trace_rows(path)):
+        if index < start:
+            continue
+        if requests is not None and len(rows) >= requests:
+            break
+        rows.append(
+            TraceRequest(
+                index=index,
+                arrival_s=row["timestamp"] / 1000.0,
+                input_length=int(row["input_length"]),
+                output_length=int(row["output_length"]),
+                hash_ids=tuple(int(h) for h in row["hash_ids"]),
             )
+        )
     if rows:
         t0 = rows[0].arrival_s
         rows = [

@@ -65,7 +65,7 @@ def test_the_mockers_timing_tables_reproduce_our_step_model(tmp_path: Path) -> N
 
 
 def _recorded(
-    path: Path, *, rows: int = 2, output_cap: int = 512, mode: str = "offline: virtual time"
+    path: Path, trace: Path, *, rows: int = 2, output_cap: int = 512, mode: str = "offline: virtual time"
 ) -> Path:
     requests = [
         {"index": 0, "ttft_wall_s": 0.5, "engine_cached": 0},
@@ -75,7 +75,7 @@ def _recorded(
     path.write_text(
         json.dumps(
             {
-                "trace": {"requests": rows, "first_row": 0},
+                "trace": {"path": str(trace), "requests": rows, "first_row": 0},
                 "config": {"mode": mode, "engines": 8, "output_cap": output_cap, "engine_params": PARAMS},
                 "arms": [{"summary": summary, "raw": {"requests": requests}}],
             }
@@ -85,19 +85,19 @@ def _recorded(
 
 
 @pytest.fixture
-def trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def trace(tmp_path: Path) -> Path:
     path = tmp_path / "trace.jsonl"
     path.write_text(
         "".join(
-            json.dumps({"input_length": n, "output_length": 10, "hash_ids": [1]}) + "\n" for n in (4000, 3200)
+            json.dumps({"timestamp": 0, "input_length": n, "output_length": 10, "hash_ids": [1]}) + "\n"
+            for n in (4000, 3200)
         )
     )
-    monkeypatch.setattr(dynamo_replay, "TRACE", path)
     return path
 
 
 def test_our_runs_give_each_requests_wait_beyond_its_own_prefill(tmp_path: Path, trace: Path) -> None:
-    ours = load_ours([_recorded(tmp_path / "a.json")])
+    ours = load_ours([_recorded(tmp_path / "a.json", trace)])
     (summary,) = ours["policies"]["ours (predicted-ttft)"]
     # 4000 uncached tokens take 0.25 s at 16k tok/s: 0.25 s of the 0.5 s TTFT is waiting; 1600 take 0.1 s.
     assert summary["wait_mean_s"] == pytest.approx((0.25 + 0.2) / 2)
@@ -106,10 +106,37 @@ def test_our_runs_give_each_requests_wait_beyond_its_own_prefill(tmp_path: Path,
 
 
 def test_runs_of_different_setups_or_modes_do_not_compare(tmp_path: Path, trace: Path) -> None:
-    first = _recorded(tmp_path / "a.json")
+    first = _recorded(tmp_path / "a.json", trace)
     with pytest.raises(Mismatch, match="output cap differ"):
-        load_ours([first, _recorded(tmp_path / "b.json", output_cap=256)])
+        load_ours([first, _recorded(tmp_path / "b.json", trace, output_cap=256)])
     with pytest.raises(Mismatch, match="not an offline replay"):
-        load_ours([_recorded(tmp_path / "c.json", mode="online")])
+        load_ours([_recorded(tmp_path / "c.json", trace, mode="online")])
     with pytest.raises(Mismatch, match="no recorded run"):
         load_ours([])
+
+
+def test_an_azure_trace_reaches_the_mocker_as_mooncake_rows_of_unshared_blocks(tmp_path: Path) -> None:
+    """The Azure traces have no prefix information: each prompt gets blocks no other row has, and the
+    answers are capped as our replay caps them."""
+    azure = tmp_path / "azure.csv"
+    azure.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,1025,44\n"
+        "2023-11-16 18:15:47.1805900,10,900"
+    )
+    ours = load_ours([_recorded(tmp_path / "a.json", azure)])
+    assert ours["policies"]["ours (predicted-ttft)"][0]["wait_mean_s"] == pytest.approx(
+        ((0.5 - 1025 / 16000) + (0.3 - (10 - 1600) / 16000)) / 2
+    )
+    rows = tmp_path / "rows.jsonl"
+    dynamo_replay.write_rows(rows, azure, 2, output_cap=512)
+    written = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert written == [
+        {"timestamp": 0.0, "input_length": 1025, "output_length": 44, "hash_ids": [0, 1, 2]},
+        {"timestamp": 500.0, "input_length": 10, "output_length": 512, "hash_ids": [3]},
+    ]
+
+
+def test_a_recorded_trace_path_that_is_gone_is_found_among_the_shared_traces() -> None:
+    found = dynamo_replay.trace_file("/elsewhere/mooncake_conversation_trace.jsonl")
+    assert found == dynamo_replay.TRACES / "mooncake_conversation_trace.jsonl"

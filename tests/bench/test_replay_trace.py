@@ -12,6 +12,7 @@ import pytest
 # pytest would name this folder's package ``bench`` and shadow the real one.)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.replay.rows import TraceFormatError
 from bench.replay.trace import (
     TRACE_BLOCK,
     TraceRequest,
@@ -99,3 +100,33 @@ def test_pooled_lru_evicts_the_least_recently_used_blocks() -> None:
     a, b = req(0, 1024, 1, 2), req(1, 1024, 3, 4)
     assert pooled_lru([a, b, req(2, 1024, 3, 4)], capacity_tokens=1024).hit_tokens == 1024
     assert pooled_lru([a, b, req(2, 1024, 1, 2)], capacity_tokens=1024).hit_tokens == 0
+
+
+def test_an_azure_trace_loads_with_blocks_no_two_prompts_share(tmp_path: Path) -> None:
+    path = tmp_path / "azure.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,512,4\n"
+        "2023-11-16 18:15:48.1805900,513,5\n"
+    )
+    first, second = load(path)
+    assert (first.arrival_s, first.input_length, first.output_length, first.hash_ids) == (0.0, 512, 4, (0,))
+    assert (second.arrival_s, second.hash_ids) == (1.5, (1, 2))
+    assert upper_bound([first, second], engine_block=16).hit_rate == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("time,prompt,answer\n1,2,3\n", "expected the columns TIMESTAMP,ContextTokens,GeneratedTokens"),
+        (
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,many,3\n",
+            "azure.csv:2: invalid literal",
+        ),
+    ],
+)
+def test_a_malformed_azure_trace_is_refused_naming_where(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "azure.csv"
+    path.write_text(text)
+    with pytest.raises(TraceFormatError, match=message):
+        load(path)
