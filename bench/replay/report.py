@@ -32,11 +32,24 @@ def validity(summary: dict[str, Any]) -> str | None:
     return "; ".join(problems) or None
 
 
+def _trace_title(path: str) -> str:
+    name = Path(path).name
+    if name.startswith("azure_llm_2023_"):
+        return f"Azure LLM inference 2023 {Path(name).stem.rsplit('_', 1)[-1]} trace"
+    return "Mooncake conversation trace" if name == "mooncake_conversation_trace.jsonl" else f"`{name}`"
+
+
 def _pooled(ub: dict[str, Any]) -> list[str]:
     """The capacity reference line, when the run computed it."""
     if "pooled_hit_rate_engine_blocks" not in ub:
         return []
     rate, bound = ub["pooled_hit_rate_engine_blocks"], ub["hit_rate_engine_blocks"]
+    if not bound:
+        return [
+            "",
+            "**No prompt shares a prefix with an earlier one** (a trace without prefix information): "
+            "every router's hit rate is 0, and what tells them apart is how they balance the load.",
+        ]
     return [
         "",
         f"**Capacity reference** (one LRU cache holding the whole fleet's "
@@ -76,7 +89,7 @@ def markdown(result: dict[str, Any]) -> str:
         else f"time scale {c['time_scale']} (wall s per simulated s)"
     )
     lines = [
-        "# Routing quality: Mooncake conversation trace replay" + (" (offline)" if offline else ""),
+        f"# Routing quality: {_trace_title(t['path'])} replay" + (" (offline)" if offline else ""),
         "",
         f"Machine: {m['cpu_model']}, {m['cores']} cores, Python {m['python']}, "
         f"commit {m['git_commit'][:10]}{' (dirty)' if m['git_dirty'] else ''}, "

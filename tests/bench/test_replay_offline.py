@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from extproc.sim import kv_events as sim
 from extproc.sim.engine_core import EngineParams
 from extproc.sim.kv_wire import EventEncoding, HashFormat, encode_batch
 
+REPO = Path(__file__).resolve().parents[2]
 VOCAB = 5000
 ENGINE = {"block_size": 16, "num_gpu_blocks": 4000, "max_model_len": 16384}
 
@@ -141,3 +143,22 @@ def test_the_engines_hash_algorithm_changes_no_decision() -> None:
     fields = ("endpoint", "router_cached", "engine_cached", "ttft_wall_s", "e2e_wall_s")
     sha, xx = ([[r[f] for f in fields] for r in raw["requests"]] for raw in raws)
     assert sha == xx and any(r[2] for r in sha)
+
+
+def test_an_azure_trace_replays_and_reports_that_no_prompt_shares_a_prefix(tmp_path: Path) -> None:
+    """A trace without prefix information (the shared Azure ones) plays through the command a user
+    runs, and its report says why every hit rate is 0 instead of dividing by it."""
+    trace = tmp_path / "azure_llm_2023_conv.csv"
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        + "".join(f"2023-11-16 18:15:{10 + i:02d}.5000000,{300 + 40 * i},{5 + i}\n" for i in range(12))
+    )
+    out = tmp_path / "replay.json"
+    command = [sys.executable, "-m", "bench.replay.run", "--offline", "--trace", str(trace)]
+    command += ["--requests", "12", "--engines", "2", "--only", "round", "ours", "--out", str(out)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    report = out.with_suffix(".md").read_text()
+    assert report.startswith("# Routing quality: Azure LLM inference 2023 conv trace replay (offline)")
+    assert "No prompt shares a prefix with an earlier one" in report
+    assert "| ours (predicted-ttft) | precise | 0.0% |" in report
