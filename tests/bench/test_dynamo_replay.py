@@ -140,3 +140,29 @@ def test_an_azure_trace_reaches_the_mocker_as_mooncake_rows_of_unshared_blocks(t
 def test_a_recorded_trace_path_that_is_gone_is_found_among_the_shared_traces() -> None:
     found = dynamo_replay.trace_file("/elsewhere/mooncake_conversation_trace.jsonl")
     assert found == dynamo_replay.TRACES / "mooncake_conversation_trace.jsonl"
+
+
+def test_a_trace_without_shared_prefixes_compares_latency_only() -> None:
+    """Hit rates of 0 on both sides are reported as such (no ratio of zeros), and each router's
+    TTFT is also set against its own simulator's round-robin."""
+    run = {"hit_rate": 0.0, "wait_mean_s": 0.01, "wait_p99_s": 0.02, "ttft_p50_s": 0.1}
+    results = {
+        "dynamo": [
+            {**run, "router_mode": "round_robin", "ttft_mean_s": 0.2, "ttft_p99_s": 1.0},
+            {**run, "router_mode": "kv_router", "ttft_mean_s": 0.18, "ttft_p99_s": 0.8},
+        ],
+        "ours": {
+            "policies": {
+                "round-robin": [{**run, "ttft_mean_s": 0.25, "ttft_p99_s": 1.0}],
+                "ours (predicted-ttft)": [{**run, "ttft_mean_s": 0.2, "ttft_p99_s": 0.7}],
+            }
+        },
+    }
+    assert "hit rate 0.00% against 0.00% (equal)" in dynamo_replay.cross_check(results)[0]
+    lines = dynamo_replay.verdicts(results)
+    assert lines[0] == "- Hit rate: ours 0.00%, Dynamo's 0 in every run: no prompt shares a prefix."
+    assert "mean TTFT: ours 0.200 s (worst of 1) against Dynamo's best 0.180 s: **not lower**" in lines[1]
+    assert lines[-1] == (
+        "- Against each simulator's own round-robin (lower is better): "
+        "mean TTFT ours 0.800, Dynamo's best 0.900; p99 TTFT ours 0.700, Dynamo's best 0.800."
+    )
