@@ -7,8 +7,10 @@ the small one, so no cache of whole bodies can help. Measured, per `serve` varia
 
 - **small**: decisions/s of a 64-byte chat, 16 streams (the reference for the ratios below),
   measured before and after each conversation measure: a ratio takes the mean of the two around it;
-- **conversations 8k / 32k**: 16 clients, each walking its own conversation (history of ~8k or
-  ~32k tokens plus one new ~30-word user turn per request; the answer joins the history);
+- **conversations 8k / 32k**: 16 clients, each walking its own conversations (history of ~8k or
+  ~32k tokens plus one new ~30-word user turn per request; the answer joins the history). Each
+  client takes its 8 conversations in turn, so a history grows by ~1k tokens over the measure, not
+  by ~7k (the report gives the range); every conversation's first turn is sent before it;
 - **cold 8k**: unique ~8k-token chats, 16 streams: `serve`'s prompt tokens/s against the tokenizer
   library's own ``encode_batch`` on the same texts in this process (all cores);
 - **no stall**: one client's small requests, p99, alone and while another client streams unique
@@ -66,6 +68,10 @@ from ports import free_port  # noqa: E402
 
 MODEL = "bench-model"
 STREAMS = 16
+#: Conversations per stream, taken in turn: each advances one turn (~65 tokens) per request, and
+#: with one conversation per stream a 5 s measure (~1,700 turns) would end their "~8k-token"
+#: histories at ~15k; with 8, they end at ~9k (the report gives each measure's range).
+CONVERSATIONS_PER_STREAM = 8
 #: Small requests timed alone and beside the 32k prompts: with 1,000, a p99 is the 10th worst, not
 #: one unlucky pause of a shared machine.
 STALL_SAMPLES = 1000
@@ -121,6 +127,10 @@ class Conversation:
         self.texts = texts
         self.messages: list[dict[str, str]] = [{"role": "system", "content": texts.of(history_tokens)}]
 
+    def history_tokens(self) -> float:
+        """About how many tokens the history holds (its messages' text; the template adds ~5 each)."""
+        return sum(len(m["content"]) for m in self.messages) / self.texts.chars_per_token
+
     def body(self) -> bytes:
         self.turn = {"role": "user", "content": self.texts.words(30)}
         messages = [*self.messages, self.turn]
@@ -131,13 +141,24 @@ class Conversation:
 
 
 class Turns:
-    """Each call takes an idle conversation, sends its next turn, and puts it back advanced."""
+    """Each call takes the idle conversation that waited longest, sends its next turn, and puts it
+    back advanced."""
 
     def __init__(self, send: Callable[[bytes], Awaitable[str]], conversations: list[Conversation]) -> None:
         self._send = send
+        self.conversations = conversations
         self._idle: asyncio.Queue[Conversation] = asyncio.Queue()
         for conversation in conversations:
             self._idle.put_nowait(conversation)
+
+    async def warm(self, concurrency: int) -> None:
+        """Send every conversation's first turn, ``concurrency`` at a time: what serve knows of a
+        live conversation before its next turn."""
+        for _ in range(0, len(self.conversations), concurrency):
+            await asyncio.gather(*(self.next() for _ in range(concurrency)))
+
+    def history_tokens(self) -> float:
+        return statistics.fmean(c.history_tokens() for c in self.conversations)
 
     async def next(self) -> str:
         conversation = await self._idle.get()
@@ -306,10 +327,14 @@ async def measure_variant(
             )
         ]
         for name, tokens in (("conversations_8k", 8_000), ("conversations_32k", 32_000)):
-            turns = Turns(send, [Conversation(texts, tokens) for _ in range(STREAMS)])
+            count = STREAMS * CONVERSATIONS_PER_STREAM
+            turns = Turns(send, [Conversation(texts, tokens) for _ in range(count)])
+            await turns.warm(STREAMS)
+            history = turns.history_tokens()
             async with profiler.around(name):
                 measured = closed_loop(turns.next, concurrency=STREAMS, duration=seconds, warmup=0.5)
                 out[name] = await with_loop_lag(admin_port, precise_share(admin_port, measured))
+            out[name]["history_tokens"] = [round(history), round(turns.history_tokens())]
             small_runs.append(await closed_loop(lambda: send(small), concurrency=STREAMS, duration=seconds))
             out[name]["small_per_s"] = statistics.fmean(r["per_s"] for r in small_runs[-2:])
         out["small"] = {
@@ -472,6 +497,13 @@ def report(results: dict[str, Any]) -> str:
         ),
         ("8k conversations decisions/s", lambda v: f"{v['conversations_8k']['per_s']:.1f}"),
         ("32k conversations decisions/s", lambda v: f"{v['conversations_32k']['per_s']:.1f}"),
+        (
+            "conversations' history tokens, mean at the start / end of the measure: 8k; 32k",
+            lambda v: "; ".join(
+                " / ".join(f"{t / 1e3:.1f}k" for t in v[k].get("history_tokens", ()))
+                for k in ("conversations_8k", "conversations_32k")
+            ),
+        ),
         (
             "cold 8k: serve / encode_batch tokens/s",
             lambda v: (
