@@ -546,7 +546,8 @@ def report(results: dict[str, Any]) -> str:
             ),
         ),
         (
-            "of those, held > 5 ms of the loop's CPU time (tokenizing itself), longest bucket",
+            "held > 5 ms of the loop thread's CPU time, longest bucket (inline: the library's own "
+            "threads encode, unseen here)",
             lambda v: (
                 f"{v['loop_lag']['hold_cpu_over_5ms']:.0f}, ≤ {v['loop_lag']['hold_cpu_worst_bucket_le']} s"
                 if "hold_cpu_over_5ms" in v["loop_lag"]

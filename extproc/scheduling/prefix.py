@@ -115,8 +115,9 @@ class PrefixCounters:
     lookups: dict[str, int] = field(default_factory=lambda: {"precise": 0, "approximate": 0, "none": 0})
     tokenize_errors: int = 0
     loop_hold: LoopHold = field(default_factory=LoopHold)
-    #: The same holds in the loop thread's CPU time: what tokenizing cost, without the time the
-    #: thread waited for a core or for the GIL (which a busy machine adds to the wall time).
+    #: The same holds in the loop thread's CPU time: what tokenizing cost the loop's own thread,
+    #: without the time it waited for a core or for the GIL (which a busy machine adds to the wall
+    #: time) or, tokenizing inline, for the library's own threads (``encode_batch``).
     loop_hold_cpu: LoopHold = field(default_factory=LoopHold)
 
     def observe_hold(self, started: float, started_cpu: float) -> None:

@@ -202,8 +202,9 @@ class PrefixCollector(Collector):
         )
         yield _hold_histogram(
             "extproc_tokenize_loop_cpu_seconds",
-            "The same holds in the loop thread's CPU time: what the tokenizing itself cost. Wall "
-            "time above it is the thread waiting for a core or for the GIL.",
+            "The same holds in the loop thread's CPU time. Wall time above it is the thread "
+            "waiting: for a core, for the GIL, or (with --tokenize-threads 0) for the tokenizer "
+            "library's own threads.",
             counters.loop_hold_cpu,
         )
         lookups_cached = CounterMetricFamily(
