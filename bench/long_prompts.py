@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -275,6 +276,55 @@ async def precise_share(admin_port: int, measure: Awaitable[dict[str, Any]]) -> 
     return result
 
 
+#: Envoy-sized messages both ways (the bodies here reach ~140 kB).
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+def _send_bodies(target: str, bodies: list[bytes], ready: Any, stop: Any, sent: Any) -> None:
+    """A child process: send ``bodies`` one stream after another until ``stop``, counting in ``sent``."""
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+            stub = ep_grpc.ExternalProcessorStub(channel)  # type: ignore[no-untyped-call]
+            ready.set()
+            for body in bodies:
+                if stop.is_set():
+                    return
+                await one_stream(stub, request_messages(body))
+                sent.value += 1
+
+    asyncio.run(run())
+
+
+class LongPromptClient:
+    """Another client, in a process of its own, streaming ``bodies`` to serve while in use."""
+
+    def __init__(self, target: str, bodies: list[bytes]) -> None:
+        context = multiprocessing.get_context("spawn")  # no fork of a process running gRPC
+        self._ready, self._stop = context.Event(), context.Event()
+        self._sent = context.Value("i", 0)
+        self._process = context.Process(
+            target=_send_bodies, args=(target, bodies, self._ready, self._stop, self._sent), daemon=True
+        )
+
+    @property
+    def sent(self) -> int:
+        return int(self._sent.value)
+
+    async def __aenter__(self) -> LongPromptClient:
+        self._process.start()
+        if not await asyncio.to_thread(self._ready.wait, 60):
+            self._process.kill()
+            raise RuntimeError("the long-prompt client did not start within 60 s")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        await asyncio.to_thread(self._process.join, 60)
+        if self._process.is_alive():
+            self._process.kill()
+
+
 class Profiler:
     """py-spy on serve around a measure, when asked (``--profile DIR``): DIR/<variant>-<measure>.txt
     holds its collapsed stacks (``py-spy`` must be on PATH; ``pip install py-spy``)."""
@@ -309,9 +359,8 @@ async def measure_variant(
     backend: tokenizers.Tokenizer,
     profiler: Profiler,
 ) -> dict[str, Any]:
-    options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
     out: dict[str, Any] = {}
-    async with grpc.aio.insecure_channel(target, options=options) as channel:
+    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
         stub = ep_grpc.ExternalProcessorStub(channel)  # type: ignore[no-untyped-call]
 
         async def send(body: bytes) -> str:
@@ -366,33 +415,22 @@ async def measure_variant(
         out["cold_8k"]["library_tokens_per_s"] = sum(len(e.ids) for e in encoded) / library_s
 
         alone = await latencies(lambda: send(small), STALL_SAMPLES)
-        stop = asyncio.Event()
-        # Made before the measure: making a ~140 kB body takes this client's loop ~10 ms, which
-        # would show up as the small requests' latency (the client, not serve, stalling).
+        # The long prompts come from another client, a process of its own: sending and reading
+        # back a ~140 kB body on this client's loop would delay the small requests here (the
+        # client, not serve, stalling). Made before the measure, too (~10 ms a body).
         long_bodies = [cold_body(texts, 32_000) for _ in range(LONG_BODIES)]
-        sent_long = 0
-
-        async def long_stream() -> None:
-            nonlocal sent_long
-            while not stop.is_set() and sent_long < len(long_bodies):
-                await send(long_bodies[sent_long])
-                sent_long += 1
-
-        async with profiler.around("stall"):
+        async with profiler.around("stall"), LongPromptClient(target, long_bodies) as long_client:
             lag_before = await loop_lag(admin_port)
-            background = asyncio.create_task(long_stream())
             await asyncio.sleep(0.5)
             beside = await latencies(lambda: send(small), STALL_SAMPLES)
-            stop.set()
-            await background
             stall_lag = lag_summary(lag_before, await loop_lag(admin_port))
         out["stall"] = {
             "loop_lag": stall_lag,
             "p99_alone_ms": p(alone, 0.99) * 1e3,
             "p99_beside_32k_ms": p(beside, 0.99) * 1e3,
-            "long_prompts_sent": sent_long,
+            "long_prompts_sent": long_client.sent,
             # Ran out of prepared bodies before the small requests were done: the tail was alone.
-            "valid": sent_long < len(long_bodies),
+            "valid": long_client.sent < len(long_bodies),
         }
 
         conversation = Conversation(texts, 8_000)
