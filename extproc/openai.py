@@ -121,7 +121,7 @@ class CompletionPrompt:
             raise BadRequest("'prompt' must be a string or a list of token ids", param="prompt")
         if len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
             raise BadRequest("one prompt per request is supported, got a batch", param="prompt")
-        try:  # one C pass that checks and copies (3x a set of types, then a tuple)
+        try:  # one C pass that checks and copies: a third of the time of a set of types, then a tuple
             return cls(msgspec.convert(prompt, _TOKEN_IDS))
         except msgspec.ValidationError as e:  # (bool is not int for msgspec either)
             message = f"'prompt' must be a string or a list of token ids: {e}"
