@@ -206,8 +206,6 @@ def lag_summary(before: dict[str, dict[str, float]], after: dict[str, dict[str, 
     of the prompts' holds of the loop (``hold_*``), and of their CPU time (``hold_cpu_*``)."""
     out: dict[str, Any] = {}
     for name, prefix in LOOP_HISTOGRAMS.items():
-        if name not in after:  # (recorded before serve had it)
-            continue
         delta = {le: after[name][le] - before[name].get(le, 0.0) for le in after[name]}
         total = delta.get("+Inf", 0.0)
         over_5ms = total - delta.get("0.005", 0.0)
