@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from extproc.tokenize.pool import TokenizePool
+
+
+@contextlib.contextmanager
+def pool_and_release(
+    *, budget: float, max_pending: int = 256
+) -> Iterator[tuple[TokenizePool, threading.Event]]:
+    """A one-thread pool, and the event its blocking test calls wait on; both let go at the end,
+    whatever the test asserted."""
+    pool = TokenizePool(threads=1, max_pending=max_pending, budget=budget)
+    release = threading.Event()
+    try:
+        yield pool, release
+    finally:
+        release.set()
+        pool.close()
 
 
 async def settle(pool: TokenizePool) -> None:
@@ -48,24 +65,17 @@ async def test_a_call_runs_in_a_worker_thread_while_the_loop_goes_on() -> None:
 
 async def test_past_its_budget_a_request_goes_on_without_the_result() -> None:
     """The caller gets None at the budget; the call still holds its place until it ends."""
-    pool = TokenizePool(threads=1, max_pending=4, budget=0.05)
-    release = threading.Event()
-    try:
+    with pool_and_release(max_pending=4, budget=0.05) as (pool, release):
         started = time.monotonic()
         assert await pool.run(lambda: release.wait(5)) is None
         assert time.monotonic() - started < 1.0
         assert pool.fallbacks["budget"] == 1 and pool.pending == 1
         release.set()
         await settle(pool)
-    finally:
-        release.set()
-        pool.close()
 
 
 async def test_a_full_queue_sends_requests_on_at_once() -> None:
-    pool = TokenizePool(threads=1, max_pending=2, budget=5.0)
-    release = threading.Event()
-    try:
+    with pool_and_release(max_pending=2, budget=5.0) as (pool, release):
         waiting = [asyncio.create_task(pool.run(lambda: release.wait(5))) for _ in range(2)]
         await asyncio.sleep(0.05)
         assert pool.pending == 2
@@ -74,9 +84,6 @@ async def test_a_full_queue_sends_requests_on_at_once() -> None:
         release.set()
         assert await asyncio.gather(*waiting) == [True, True]
         assert await pool.run(lambda: 1) == 1  # room again
-    finally:
-        release.set()
-        pool.close()
 
 
 async def test_a_calls_exception_reaches_the_caller() -> None:
@@ -105,10 +112,8 @@ def test_bounds_must_be_positive(kwargs: dict[str, float], message: str) -> None
 async def test_a_prompt_that_cannot_be_ready_in_time_is_answered_at_once_and_still_runs() -> None:
     """Once the workers' speed is known, a prompt too big for the budget does not make its request
     wait the budget out, and it still runs when a worker is free (it teaches the segment tree)."""
-    pool = TokenizePool(threads=1, budget=2.0)
-    release = threading.Event()
     ran: list[str] = []
-    try:
+    with pool_and_release(budget=2.0) as (pool, release):
         # 2,000 characters in ~100 ms: the pool learns ~50 us per character.
         assert await pool.run(lambda: time.sleep(0.1) or "measured", size=2000) == "measured"
         holding = asyncio.create_task(pool.run(lambda: release.wait(5), size=1))
@@ -123,18 +128,13 @@ async def test_a_prompt_that_cannot_be_ready_in_time_is_answered_at_once_and_sti
         assert await holding is True
         await settle(pool)
         assert ran == ["big"]  # run once the worker was free
-    finally:
-        release.set()
-        pool.close()
 
 
 async def test_a_waiting_prompt_that_would_finish_too_late_is_not_started() -> None:
     """Workers take the oldest prompt that can still be ready in time; one that cannot is answered
     when its turn comes, and the prompt behind it goes first."""
-    pool = TokenizePool(threads=1, budget=1.0)
-    release = threading.Event()
     order: list[str] = []
-    try:
+    with pool_and_release(budget=1.0) as (pool, release):
         await pool.run(lambda: time.sleep(0.1) or "measured", size=2000)  # ~50 us a character
         holding = asyncio.create_task(pool.run(lambda: release.wait(5), size=1))
         await asyncio.sleep(0.05)
@@ -150,16 +150,11 @@ async def test_a_waiting_prompt_that_would_finish_too_late_is_not_started() -> N
         await settle(pool)
         assert order == ["second", "first"]  # the late one ran after, for the tree
         assert pool.fallbacks["budget"] == 1
-    finally:
-        release.set()
-        pool.close()
 
 
 async def test_a_late_prompt_gives_up_its_place_in_a_full_queue() -> None:
-    pool = TokenizePool(threads=1, max_pending=2, budget=0.05)
-    release = threading.Event()
     ran: list[str] = []
-    try:
+    with pool_and_release(max_pending=2, budget=0.05) as (pool, release):
         holding = asyncio.create_task(pool.run(lambda: release.wait(5)))  # runs past its budget
         await asyncio.sleep(0.01)
         assert await pool.run(lambda: ran.append("late")) is None  # waits, then late
@@ -173,6 +168,3 @@ async def test_a_late_prompt_gives_up_its_place_in_a_full_queue() -> None:
         await newest
         await settle(pool)
         assert ran == ["newest"]  # the dropped one never ran
-    finally:
-        release.set()
-        pool.close()
