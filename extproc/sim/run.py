@@ -65,6 +65,13 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         help="template file, or a shipped one: chatml, llama3 (default: the tokenizer's, else llama3)",
     )
     g.add_argument(
+        "--tokenize-cache-mb",
+        type=float,
+        default=0.0,
+        help="remember this many MiB of prompt pieces, so a repeated prefix is encoded once (same ids; "
+        "saves a load harness's CPU); 0 encodes every prompt whole, as vLLM does (0)",
+    )
+    g.add_argument(
         "--default-output-tokens",
         type=int,
         default=_DEFAULTS.default_output_tokens,
@@ -227,6 +234,7 @@ def sim_settings(args: argparse.Namespace) -> SimSettings:
         lora_modules=tuple(LoraModule.parse(spec) for spec in args.lora_modules),
         tokenizer=args.tokenizer,
         chat_template=args.chat_template,
+        tokenize_cache_bytes=int(args.tokenize_cache_mb * 1024 * 1024),
         engine=engine,
         data_parallel_size=args.data_parallel_size,
         time_scale=args.time_scale,

@@ -56,6 +56,12 @@ class SimServer:
         self.settings = settings
         tokenizer_dir = settings.tokenizer or shipped_tokenizer_dir()
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir)
+        cache_bytes = settings.tokenize_cache_bytes
+        if cache_bytes and not self.tokenizer.enable_segment_cache(cache_bytes):
+            log.warning(
+                "sim tokenize cache off tokenizer=%s reason=its added tokens do not split text exactly",
+                tokenizer_dir,
+            )
         self.chat_template = _load_template(settings.chat_template, self.tokenizer)
         self.base_name = settings.base_model_names[0]
         models: dict[str, ServedModel] = {

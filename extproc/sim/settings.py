@@ -82,6 +82,10 @@ class SimSettings:
     #: A chat template file, or the name of a shipped one (``chatml``, ``llama3``); None = the
     #: tokenizer's own (``tokenizer_config.json``), else ``llama3``.
     chat_template: str | None = None
+    #: Bytes of prompt pieces the simulator remembers to encode a repeated prefix once (its segment
+    #: tree, as serve's --tokenize-cache-mb); 0 encodes every prompt whole, as vLLM does. It saves a
+    #: harness's CPU and changes no id.
+    tokenize_cache_bytes: int = 0
     engine: EngineParams = field(default_factory=EngineParams)
     #: Data-parallel ranks: each has its own cache, scheduler and KV-event publisher.
     data_parallel_size: int = 1
@@ -117,6 +121,8 @@ class SimSettings:
             raise ConfigError(f"--data-parallel-size must be in 1-64, got {self.data_parallel_size}")
         if not self.time_scale > 0:
             raise ConfigError(f"--time-scale must be positive, got {self.time_scale}")
+        if self.tokenize_cache_bytes < 0:
+            raise ConfigError(f"--tokenize-cache-mb must be 0 (off) or more, got {self.tokenize_cache_bytes}")
         if self.default_output_tokens < 1:
             raise ConfigError(f"--default-output-tokens must be at least 1, got {self.default_output_tokens}")
         if self.kv_events is not None and self.data_parallel_size > 1:

@@ -89,6 +89,23 @@ async def test_chat_answer_counts_the_templated_prompt(sim: StartSim, http: aioh
     }
 
 
+async def test_the_tokenize_cache_gives_the_same_ids_and_encodes_a_known_prefix_once(
+    sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    """--tokenize-cache-mb: a conversation's next turn tokenizes to the same ids as without it, and
+    its history's pieces come from the cache (what saves a load harness's CPU)."""
+    plain, cached = await sim(), await sim(tokenize_cache_bytes=1 << 20)
+    history = [*CHAT, {"role": "assistant", "content": "Teal, " * 40}]
+    turns = [history, [*history, {"role": "user", "content": "Another, with ünïcode  and spaces "}]]
+    for messages in turns:
+        _, want = await post(http, plain, "/tokenize", {"messages": messages})
+        _, got = await post(http, cached, "/tokenize", {"messages": messages})
+        assert got["tokens"] == want["tokens"]
+    cache = cached.tokenizer.segment_cache
+    assert plain.tokenizer.segment_cache is None
+    assert cache is not None and cache.stats.hits >= 2  # the second turn walked the first's segments
+
+
 async def test_chatml_template_changes_the_tokens(sim: StartSim, http: aiohttp.ClientSession) -> None:
     """The same conversation tokenizes differently under ChatML than under Llama-3 headers."""
     llama, chatml = await sim(), await sim(chat_template="chatml")

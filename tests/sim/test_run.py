@@ -37,6 +37,7 @@ from extproc.sim.settings import KVEventSettings, SimSettings
         (["--num-gpu-blocks-override", "0"], "num_gpu_blocks"),
         (["--cpu-offload-blocks", "-1"], "cpu_offload_blocks must be an integer >= 0"),
         (["--cpu-load-tokens-per-s", "1e5"], "--cpu-load-tokens-per-s needs --cpu-offload-blocks"),
+        (["--tokenize-cache-mb", "-1"], "--tokenize-cache-mb must be 0 (off) or more"),
     ],
     ids=[
         "replay-without-pub",
@@ -52,6 +53,7 @@ from extproc.sim.settings import KVEventSettings, SimSettings
         "zero-blocks",
         "negative-cpu-blocks",
         "cpu-rate-without-tier",
+        "negative-tokenize-cache",
     ],
 )
 async def test_bad_flags_exit_2_naming_the_flag(args: list[str], message: str) -> None:
@@ -79,6 +81,14 @@ def test_the_hash_algorithm_flag_reaches_the_engine() -> None:
     args = parser.parse_args(["sim", "--prefix-caching-hash-algo", "xxhash"])
     assert sim_settings(args).engine.prefix_caching_hash_algo == "xxhash"
     assert sim_settings(parser.parse_args(["sim"])).engine.prefix_caching_hash_algo == "sha256"
+
+
+def test_the_tokenize_cache_flag_is_off_by_default_and_in_mib() -> None:
+    parser = argparse.ArgumentParser()
+    add_sim_parser(parser.add_subparsers())
+    assert sim_settings(parser.parse_args(["sim"])).tokenize_cache_bytes == 0
+    args = parser.parse_args(["sim", "--tokenize-cache-mb", "1.5"])
+    assert sim_settings(args).tokenize_cache_bytes == 1_572_864
 
 
 async def test_sim_prints_where_it_listens_and_stops_on_sigterm() -> None:
