@@ -58,7 +58,7 @@ ENGINES = 4
 #: the caches fill, and evict, within the warm-up: the soak then measures the steady state, where
 #: every block stored is matched by one removed, and memory that follows the index must stay flat.
 #: The engines also remember prompt pieces and hash blocks with xxhash: the same ids and events, at
-#: a third of their CPU (tokenizing every prompt whole took two thirds of it), so that on 2 cores
+#: half their CPU (tokenizing every prompt whole took two thirds of it), so that on 2 cores
 #: the engines keep up for the whole hour and serve's memory is measured on a machine not saturated.
 ENGINE_ARGS = (
     "--default-output-tokens",
