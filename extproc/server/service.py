@@ -86,7 +86,12 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                     return
                 for response in responses:
                     yield response
-                if over := _exchange_over(stream, responses):
+                over = _exchange_over(stream, responses)
+                # Hold no body while Envoy's next message is awaited: after a decision that is the
+                # engine's first token, and every request piling up behind a slow engine would
+                # keep its request and its streamed body copy alive until then.
+                del request, responses
+                if over:
                     break
             if stream is not None and (over or isinstance(stream, AccountingStream)):
                 # Nothing more can come (for an accounting stream: its half-close, the response's
