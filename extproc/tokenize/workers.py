@@ -2,7 +2,10 @@
 
 **Threads** (:class:`ThreadWorkers`) share this process's tokenizers and prompt-piece caches. An
 encode releases the GIL, so encodes use every core; a chat template render is Python, and holds the
-GIL that the event loop needs for up to the interpreter's switch interval at a time.
+GIL that the event loop needs for up to the interpreter's switch interval at a time. The threads,
+and the tokenizer library's own pool, run at a lower CPU priority than the event loop
+(:data:`THREAD_NICE`): when the cores are short, long prompts wait (and past their budget are routed
+approximately) rather than every other decision.
 
 **Processes** (:class:`ProcessWorkers`) each load their own copy of the tokenizers once, at start,
 and are handed the raw request body: the JSON parse, the template render and the encode all run
@@ -15,8 +18,10 @@ cached there.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from array import array
@@ -27,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import tokenizers
+
 from extproc.errors import BadRequest
 from extproc.openai import parse_request
 from extproc.settings import TokenizerSpec
@@ -34,10 +41,15 @@ from extproc.tokenize.registry import TokenizerRegistry
 from extproc.tokenize.segments import CacheStats
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 #: Bytes from the start of a body that choose its process: a conversation's first message.
 AFFINITY_BYTES = 1024
 #: A conversation leaves its process for another only when that one is busier by this many calls.
 AFFINITY_SLACK = 2
+#: How much nicer than the event loop tokenizing threads run (Linux: each thread has its own nice
+#: value). At 10 the scheduler gives the loop ~10 times their share of a contended core, so a
+#: stream of long prompts no longer takes the cores from the short requests' decisions.
+THREAD_NICE = 10
 
 
 class ThreadWorkers:
@@ -57,7 +69,9 @@ class ThreadWorkers:
     lost = 0
 
     def start(self) -> None:
-        """Nothing to start: threads are made on the first call."""
+        """Make the tokenizer library's thread pool now, from a worker thread, so its threads
+        inherit the workers' priority (it is made by whichever thread first encodes a batch)."""
+        self._pool().submit(start_library_pool)
 
     def cache_totals(self, model: str) -> tuple[CacheStats, int] | None:
         """None: threads use this process's own caches, reported with its tokenizers."""
@@ -65,9 +79,14 @@ class ThreadWorkers:
 
     def submit(self, call: Callable[[], T], affinity: bytes = b"") -> Future[tuple[float, T]]:
         """``call()`` in a thread; the future holds how long it ran there, and its result."""
+        return self._pool().submit(timed, call)
+
+    def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(self.count, thread_name_prefix="tokenize")
-        return self._executor.submit(timed, call)
+            self._executor = ThreadPoolExecutor(
+                self.count, thread_name_prefix="tokenize", initializer=lower_priority, initargs=(THREAD_NICE,)
+            )
+        return self._executor
 
     def close(self) -> None:
         if self._executor is not None:
@@ -279,3 +298,22 @@ def body_ids(
 
 def _copy(stats: CacheStats) -> CacheStats:
     return CacheStats(stats.hits, stats.misses, stats.evictions)
+
+
+def lower_priority(nice: int) -> None:
+    """Make the calling thread ``nice`` nicer (and the threads it starts: Linux copies a thread's nice
+    value to the threads it creates). Nothing where threads have no priority of their own."""
+    if not hasattr(os, "setpriority") or sys.platform != "linux":
+        return
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + nice)
+    except OSError as exc:  # a sandbox forbidding it: run at the loop's priority
+        log.info("tokenizing threads keep the event loop's CPU priority: %s", exc)
+
+
+def start_library_pool() -> None:
+    """Have the tokenizer library start its thread pool (rayon's, made on the first batch encoded
+    with parallelism on) in this thread, whose priority its threads then inherit."""
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0}, unk_token="a"))
+    backend.encode_batch(["a", "a"])

@@ -1,5 +1,6 @@
 """Tokenizing in worker processes: the same ids as in this process, sticky conversations, and a
-worker that dies is replaced without taking serve with it. Real spawned processes throughout."""
+worker that dies is replaced without taking serve with it. Real spawned processes throughout. And
+worker threads: they give the cores to the event loop first."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import asyncio
 import functools
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 from array import array
 from collections.abc import AsyncIterator
@@ -19,7 +23,14 @@ from extproc.openai import parse_request
 from extproc.settings import TokenizerSpec
 from extproc.tokenize.pool import TokenizePool
 from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerRegistry
-from extproc.tokenize.workers import BodyIds, ProcessWorkers, WorkerSetup, body_ids
+from extproc.tokenize.workers import (
+    THREAD_NICE,
+    BodyIds,
+    ProcessWorkers,
+    ThreadWorkers,
+    WorkerSetup,
+    body_ids,
+)
 
 MODEL = "tiny"
 SPECS = (TokenizerSpec(MODEL, SHIPPED_TOKENIZER, "llama3"),)
@@ -105,3 +116,45 @@ async def test_a_worker_that_dies_is_replaced_and_what_it_ran_counted_lost(pool:
         assert as_list(await ids_of(pool, chat_body(question)))
     assert not set(workers.pids()) & set(victims)
     assert pool.pending == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="threads have no CPU priority of their own here")
+def test_tokenizing_threads_yield_the_cores_to_the_event_loop() -> None:
+    """The worker threads run nicer than the thread that made them (the event loop's)."""
+    workers = ThreadWorkers(2)
+    try:
+        workers.start()
+        _, nice = workers.submit(own_nice).result(10)
+    finally:
+        workers.close()
+    assert nice == own_nice() + THREAD_NICE
+
+
+def own_nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread priorities from /proc")
+def test_the_tokenizer_librarys_own_threads_are_as_nice_as_the_workers() -> None:
+    """In a fresh process (the library's pool is made once per process): once the workers have
+    started, even a batch encoded on the main thread runs on threads no less nice than the workers."""
+    script = """
+import os, time
+from extproc.tokenize.workers import ThreadWorkers, start_library_pool
+workers = ThreadWorkers(1)
+workers.start()
+workers.submit(lambda: None).result(10)
+start_library_pool()  # on the main thread too: the pool exists already, nothing new is made
+main = os.getpid()
+print(" ".join(
+    open(f"/proc/{main}/task/{t}/stat").read().rsplit(")", 1)[1].split()[16]
+    for t in os.listdir(f"/proc/{main}/task") if int(t) != main
+))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    nices = [int(n) for n in done.stdout.split()]
+    # The worker thread, and the library's pool (one thread per core at least).
+    assert len(nices) >= 2, done.stdout
+    assert min(nices) >= THREAD_NICE, f"threads' nice values: {nices}"
