@@ -282,6 +282,11 @@ async def soak(
                                 "rss_mb": round(rss_mb(pid), 2),
                                 "in_flight": await in_flight(probe, serve),
                                 "tokenize_cache_mb": await cache_mb(probe, serve),
+                                # Each reset that cancels a pending read leaks ~100 B in grpc.aio
+                                # (grpc/grpc#43360): the timeline shows how RSS follows them.
+                                "streams_reset": await serve_metric(
+                                    probe, serve, 'extproc_streams_ended_total{how="cancelled"'
+                                ),
                                 "sent": tally.sent,
                                 "errors": tally.errors,
                             }
@@ -472,15 +477,16 @@ def report(results: dict[str, Any]) -> str:
         "",
         f"Timeline (every {every:g} s):",
         "",
-        "| s | serve RSS MB | prompt-piece cache MB | in flight | sent | errors |",
-        "|--:|--:|--:|--:|--:|--:|",
+        "| s | serve RSS MB | prompt-piece cache MB | in flight | sent | errors | streams reset |",
+        "|--:|--:|--:|--:|--:|--:|--:|",
     ]
     next_at = 0.0
     for sample in r["samples"]:
         if sample["at_s"] >= next_at:
             lines.append(
                 f"| {sample['at_s']:.0f} | {sample['rss_mb']} | {sample.get('tokenize_cache_mb', 'n/a')} | "
-                f"{sample['in_flight']:g} | {sample['sent']:,} | {sample['errors']:,} |"
+                f"{sample['in_flight']:g} | {sample['sent']:,} | {sample['errors']:,} | "
+                f"{sample.get('streams_reset', 'n/a')} |"
             )
             next_at += every
     return "\n".join(lines) + "\n"

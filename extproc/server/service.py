@@ -84,13 +84,13 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                     self._metrics.requests.labels("internal_error").inc()
                     yield messages.internal_error_response(stream.request_id)
                     return
-                for response in responses:
-                    yield response
                 over = _exchange_over(stream, responses)
                 # Hold no body while Envoy's next message is awaited: after a decision that is the
                 # engine's first token, and every request piling up behind a slow engine would
                 # keep its request and its streamed body copy alive until then.
-                del request, responses
+                while responses:
+                    yield responses.pop(0)
+                del request
                 if over:
                     break
             if stream is not None and (over or isinstance(stream, AccountingStream)):
