@@ -486,7 +486,7 @@ def report(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {sample['at_s']:.0f} | {sample['rss_mb']} | {sample.get('tokenize_cache_mb', 'n/a')} | "
                 f"{sample['in_flight']:g} | {sample['sent']:,} | {sample['errors']:,} | "
-                f"{sample.get('streams_reset', 'n/a')} |"
+                f"{format(sample['streams_reset'], ',.0f') if 'streams_reset' in sample else 'n/a'} |"
             )
             next_at += every
     return "\n".join(lines) + "\n"
