@@ -210,6 +210,11 @@ async def cache_mb(session: aiohttp.ClientSession, serve: ServeProcess) -> float
     return round(await serve_metric(session, serve, "extproc_tokenize_cache_bytes{") / 2**20, 2)
 
 
+async def ended_streams(session: aiohttp.ClientSession, serve: ServeProcess, how: str) -> float:
+    """ext_proc streams `serve` saw end ``how`` ("closed", or "cancelled": reset by Envoy)."""
+    return await serve_metric(session, serve, f'extproc_streams_ended_total{{how="{how}"')
+
+
 def slope_per_hour(samples: list[tuple[float, float]]) -> float | None:
     """Least-squares slope of (seconds, MB) in MB per hour."""
     if len(samples) < 3:
@@ -284,9 +289,7 @@ async def soak(
                                 "tokenize_cache_mb": await cache_mb(probe, serve),
                                 # Each reset that cancels a pending read leaks ~100 B in grpc.aio
                                 # (grpc/grpc#43360): the timeline shows how RSS follows them.
-                                "streams_reset": await serve_metric(
-                                    probe, serve, 'extproc_streams_ended_total{how="cancelled"'
-                                ),
+                                "streams_reset": await ended_streams(probe, serve, "cancelled"),
                                 "sent": tally.sent,
                                 "errors": tally.errors,
                             }
@@ -299,8 +302,7 @@ async def soak(
                     await asyncio.sleep(1.0)  # the accounting streams' last closes
                     final_in_flight = await in_flight(probe, serve)
                     streams_ended = {
-                        how: await serve_metric(probe, serve, f'extproc_streams_ended_total{{how="{how}"')
-                        for how in ("closed", "cancelled")
+                        how: await ended_streams(probe, serve, how) for how in ("closed", "cancelled")
                     }
                     final_rss = rss_mb(pid)
             finally:
@@ -328,7 +330,7 @@ async def soak(
         "serve_args": list(serving.extra_args),
         "accounting_filter": not serving.no_accounting,
         "memtrace": serving.memtrace is not None,
-        "engines_paused_at_s": list(serving.pause_at) if serving.pause_s > 0 else [],
+        "engines_paused_at_s": list(serving.pause_at),
         "engines_paused_for_s": serving.pause_s if serving.pause_at else 0,
         "samples": samples,
     }
@@ -338,18 +340,24 @@ async def soak(
 async def pause_engines(engines: list[SimEngine], at: tuple[float, ...], pause_s: float) -> None:
     """Stop every engine at each of ``at`` (seconds from now) for ``pause_s``, then let them go on."""
     started = time.monotonic()
-    for when in sorted(at) if pause_s > 0 else ():
+    for when in sorted(at):
         await asyncio.sleep(max(0.0, started + when - time.monotonic()))
         print(f"pausing the engines for {pause_s:g} s at {when:g} s", file=sys.stderr)
         for engine in engines:
-            assert engine.proc is not None
-            engine.proc.send_signal(signal.SIGSTOP)
+            engine.send_signal(signal.SIGSTOP)
         try:
             await asyncio.sleep(pause_s)
         finally:
             for engine in engines:
-                assert engine.proc is not None
-                engine.proc.send_signal(signal.SIGCONT)
+                engine.send_signal(signal.SIGCONT)
+
+
+def pause_times(asked: list[float] | None, pause_s: float, warmup: float) -> tuple[float, ...]:
+    """When to stop the engines: as asked, else once halfway through the warm-up; never with no
+    pause length."""
+    if pause_s <= 0:
+        return ()
+    return tuple(asked) if asked is not None else (warmup / 2,)
 
 
 def caches_full_at(samples: list[dict[str, Any]]) -> float:
@@ -552,7 +560,7 @@ def main() -> None:
             args.serve_log,
             args.memray,
             args.no_accounting,
-            tuple(args.pause_engines_at) if args.pause_engines_at is not None else (warmup / 2,),
+            pause_times(args.pause_engines_at, args.pause_seconds, warmup),
             args.pause_seconds,
         )
         result = asyncio.run(soak(args.rate, args.duration, args.sample, warmup, args.seed, serve_args))

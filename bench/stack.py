@@ -53,8 +53,11 @@ class SimEngine:
         await wait_http(f"http://{self.address}/health")
 
     def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def send_signal(self, sig: int) -> None:
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
+        self.proc.send_signal(sig)
 
     async def stop(self) -> None:
         if self.proc is not None and self.proc.returncode is None:

@@ -303,7 +303,7 @@ def _copy(stats: CacheStats) -> CacheStats:
 def lower_priority(nice: int) -> None:
     """Make the calling thread ``nice`` nicer (and the threads it starts: Linux copies a thread's nice
     value to the threads it creates). Nothing where threads have no priority of their own."""
-    if not hasattr(os, "setpriority") or sys.platform != "linux":
+    if sys.platform != "linux":
         return
     thread = threading.get_native_id()
     try:

@@ -118,7 +118,7 @@ async def test_a_worker_that_dies_is_replaced_and_what_it_ran_counted_lost(pool:
     assert pool.pending == 0
 
 
-@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="threads have no CPU priority of their own here")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux threads have own priorities")
 def test_tokenizing_threads_yield_the_cores_to_the_event_loop() -> None:
     """The worker threads run nicer than the thread that made them (the event loop's)."""
     workers = ThreadWorkers(2)
@@ -139,7 +139,7 @@ def test_the_tokenizer_librarys_own_threads_are_as_nice_as_the_workers() -> None
     """In a fresh process (the library's pool is made once per process): once the workers have
     started, even a batch encoded on the main thread runs on threads no less nice than the workers."""
     script = """
-import os, time
+import os
 from extproc.tokenize.workers import ThreadWorkers, start_library_pool
 workers = ThreadWorkers(1)
 workers.start()
