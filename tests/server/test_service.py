@@ -124,6 +124,35 @@ async def test_an_accounting_stream_counts_until_the_half_close_and_takes_envoys
     assert ended.labels("accounting", "cancelled")._value.get() == 0
 
 
+async def test_a_stream_reset_while_serve_waits_for_a_message_releases_its_count_quietly(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client abandoning its request mid-answer makes Envoy reset the accounting stream while serve
+    waits for the response's end: the count goes, the stream counts as cancelled, nothing is
+    logged, and the receive that was waiting finishes on its own (none is left pending)."""
+    endpoint = "127.0.0.1:8000"
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        with caplog.at_level(logging.WARNING):
+            calls = []
+            for _ in range(20):
+                call = channel.stream_stream(
+                    PROCESS, request_serializer=lambda b: b, response_deserializer=lambda b: b
+                )()
+                await call.write(_accounting_request(endpoint))
+                calls.append(call)
+            await eventually(lambda: server.inflight.count(EndpointAddress(endpoint)) == 20, what="counted")
+            for call in calls:
+                assert call.cancel()
+            await eventually(lambda: server.inflight.total == 0, what="released at the reset")
+            ended = server.metrics.streams_ended
+            await eventually(
+                lambda: ended.labels("accounting", "cancelled")._value.get() == 20, what="counted as reset"
+            )
+            await eventually(lambda: not service._READS, what="every receive finished")
+    noise = [r for r in caplog.records if r.name.startswith(("extproc.server", "asyncio", "grpc"))]
+    assert not noise, caplog.text
+
+
 async def _routing_exchange(call: Any, response_body_mode: int) -> list[ep.ProcessingResponse]:
     """Envoy's messages for one BUFFERED chat up to the response headers, with each answer."""
     first = headers()
