@@ -154,9 +154,11 @@ async def closed_loop(
     warmup: float = 1.0,
     pids: Mapping[str, int] | None = None,
     max_calls: int = MAX_CALLS,
+    samples: list[float] | None = None,
 ) -> dict[str, Any]:
     """``concurrency`` workers each awaiting ``call()`` back to back for ``warmup + duration`` s (and at
-    most ``max_calls`` in all); only the last ``duration`` s are measured. ``call`` returns a label
+    most ``max_calls`` in all); only the last ``duration`` s are measured (their latencies also go to
+    ``samples``, when given, to pool measures). ``call`` returns a label
     (e.g. the picked endpoint) that is counted. CPU is CPU-seconds per wall second (1.0 = one core)
     of each process in ``pids``, of this process ("bench") and of the whole machine ("machine": anything
     well above the sum of the others is another workload stealing cores), over the measured window."""
@@ -197,6 +199,8 @@ async def closed_loop(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+    if samples is not None:
+        samples.extend(latencies)
     return {
         "concurrency": concurrency,
         "seconds": round(elapsed, 3),
