@@ -56,6 +56,13 @@ def machine_busy_seconds() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / _CLK_TCK
 
 
+def machine_stolen_seconds() -> float:
+    """CPU-seconds the hypervisor gave other guests while this VM wanted them (/proc/stat ``steal``):
+    time a benchmark's processes were ready to run and did not."""
+    with open("/proc/stat", encoding="ascii") as f:
+        return int(f.readline().split()[8]) / _CLK_TCK
+
+
 def provenance(m: dict[str, Any]) -> str:
     """Where a report's numbers come from, for its first line: date, commit, CPU, cores, Python."""
     dirty = " (dirty)" if m["git_dirty"] else ""

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from machine import machine, machine_busy_seconds, provenance, record
+from machine import machine, machine_busy_seconds, machine_stolen_seconds, provenance, record
 from stack import (
     MODEL,
     ServeProcess,
@@ -215,6 +215,27 @@ async def ended_streams(session: aiohttp.ClientSession, serve: ServeProcess, how
     return await serve_metric(session, serve, f'extproc_streams_ended_total{{how="{how}"')
 
 
+def stolen_cell(r: dict[str, Any]) -> str:
+    if "machine_stolen_cores" not in r:
+        return "not measured"
+    worst = max(r["samples"], key=lambda sample: sample.get("stolen_cores", 0.0))
+    return f"{r['machine_stolen_cores']:g} ({worst.get('stolen_cores', 0.0):g}, {worst['at_s']:g})"
+
+
+class Stolen:
+    """The cores the hypervisor took from this VM between two calls (see machine_stolen_seconds):
+    when a run falls behind, this says whether the machine did."""
+
+    def __init__(self) -> None:
+        self._seconds, self._at = machine_stolen_seconds(), time.monotonic()
+
+    def since_last(self) -> float:
+        seconds, at = machine_stolen_seconds(), time.monotonic()
+        cores = (seconds - self._seconds) / max(at - self._at, 1e-9)
+        self._seconds, self._at = seconds, at
+        return round(cores, 3)
+
+
 def slope_per_hour(samples: list[tuple[float, float]]) -> float | None:
     """Least-squares slope of (seconds, MB) in MB per hour."""
     if len(samples) < 3:
@@ -278,6 +299,7 @@ async def soak(
                     pid = serve.proc.pid
                     url = f"http://127.0.0.1:{listen}/v1/chat/completions"
                     busy0, wall0 = machine_busy_seconds(), time.monotonic()
+                    stolen0, stolen = machine_stolen_seconds(), Stolen()
                     sender = asyncio.create_task(load(url, rate, duration, tally, seed))
                     pauser = asyncio.create_task(pause_engines(engines, serving.pause_at, serving.pause_s))
                     while not sender.done():
@@ -292,6 +314,7 @@ async def soak(
                                 "streams_reset": await ended_streams(probe, serve, "cancelled"),
                                 "sent": tally.sent,
                                 "errors": tally.errors,
+                                "stolen_cores": stolen.since_last(),
                             }
                         )
                         print(json.dumps(samples[-1]), file=sys.stderr)
@@ -299,6 +322,7 @@ async def soak(
                     sent_for = await sender
                     await pauser
                     busy = (machine_busy_seconds() - busy0) / (time.monotonic() - wall0)
+                    stolen_mean = (machine_stolen_seconds() - stolen0) / (time.monotonic() - wall0)
                     await asyncio.sleep(1.0)  # the accounting streams' last closes
                     final_in_flight = await in_flight(probe, serve)
                     streams_ended = {
@@ -321,6 +345,7 @@ async def soak(
         "achieved_rate": round(achieved, 1),
         "client_p99_lag_ms": round(p99_lag * 1000, 1),
         "machine_busy_cores": round(busy, 2),
+        "machine_stolen_cores": round(stolen_mean, 3),
         "tally": {k: v for k, v in asdict(tally).items() if k != "lags"},
         "rss_start_mb": samples[0]["rss_mb"] if samples else None,
         "rss_end_mb": round(final_rss, 2),
@@ -433,6 +458,7 @@ def report(results: dict[str, Any]) -> str:
         f"| target / achieved rate | {r['rate']:g} / {r['achieved_rate']} req/s |",
         f"| client p99 lag against its schedule | {r['client_p99_lag_ms']} ms |",
         f"| machine busy (of {m['cores']} cores) | {r['machine_busy_cores']} |",
+        f"| cores the hypervisor took, mean (most in a sample, at s) | {stolen_cell(r)} |",
         f"| requests sent | {t['sent']:,} |",
         f"| answered in full | {t['ok']:,} |",
         f"| abandoned by the client on purpose | {t['abandoned']:,} |",
@@ -485,8 +511,9 @@ def report(results: dict[str, Any]) -> str:
         "",
         f"Timeline (every {every:g} s):",
         "",
-        "| s | serve RSS MB | prompt-piece cache MB | in flight | sent | errors | streams reset |",
-        "|--:|--:|--:|--:|--:|--:|--:|",
+        "| s | serve RSS MB | prompt-piece cache MB | in flight | sent | errors | streams reset | "
+        "cores stolen |",
+        "|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     next_at = 0.0
     for sample in r["samples"]:
@@ -494,7 +521,8 @@ def report(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {sample['at_s']:.0f} | {sample['rss_mb']} | {sample.get('tokenize_cache_mb', 'n/a')} | "
                 f"{sample['in_flight']:g} | {sample['sent']:,} | {sample['errors']:,} | "
-                f"{format(sample['streams_reset'], ',.0f') if 'streams_reset' in sample else 'n/a'} |"
+                f"{format(sample['streams_reset'], ',.0f') if 'streams_reset' in sample else 'n/a'} | "
+                f"{sample.get('stolen_cores', 'n/a')} |"
             )
             next_at += every
     return "\n".join(lines) + "\n"
