@@ -274,7 +274,8 @@ async def metric_values(admin_port: int, prefix: str) -> dict[str, float]:
 
 
 async def learned(admin_port: int, limit: float = LEARN_LIMIT_S) -> float:
-    """Seconds until serve has nothing left to tokenize (its late prompts run too), at most ``limit``.
+    """Seconds until serve has nothing left to tokenize (its late prompts run too), at most ``limit``;
+    also what a measure of small requests alone waits for.
 
     The conversations' first turns are cold long prompts: past their budget serve routes them
     approximately and tokenizes them afterwards, which teaches it their prefixes. A live
@@ -450,6 +451,7 @@ async def measure_variant(
         cold["serve_tokens_per_s"] = cold["per_s"] * cold["precise_share"] * tokens_per_prompt
         out["cold_8k"]["library_tokens_per_s"] = sum(len(e.ids) for e in encoded) / library_s
 
+        await learned(admin_port)  # the cold prompts' late ones
         alone = await latencies(lambda: send(small), STALL_SAMPLES)
         # The long prompts come from another client, a process of its own: sending and reading
         # back a ~140 kB body on this client's loop would delay the small requests here (the
@@ -478,6 +480,9 @@ async def measure_variant(
         lags: list[tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]] = []
         long_sent = 0
         for _ in range(STALL_ROUNDS):
+            # Alone means alone: the last round's long prompts that fell back are still being
+            # tokenized (late), and would slow the small requests measured alone.
+            await learned(admin_port)
             alone_run = await closed_loop(
                 lambda: send(small), concurrency=STREAMS, duration=seconds, samples=alone_16
             )
