@@ -81,8 +81,10 @@ class Metrics:
         self.streams_ended = Counter(
             "extproc_streams_ended",
             "ext_proc streams by kind (routing, accounting, none: no message came) and how they ended: "
-            "closed (Envoy half-closed, or we ended it; an accounting stream's reset right after its "
-            "half-close counts here), cancelled (Envoy reset it).",
+            "closed (its exchange was over: Envoy's half-close, Envoy's close after serve had what it "
+            "needed, or serve ending it; every accounting stream that took its count ends so), "
+            "cancelled (Envoy reset it first: for a routing stream, usually a client that left before "
+            "the response's headers).",
             ["kind", "how"],
             registry=self.registry,
         )

@@ -48,6 +48,11 @@ class AccountingStream:
     def request_id(self) -> str:
         return messages.request_id(self._headers)
 
+    @property
+    def waits_for_upstream(self) -> bool:
+        """The request headers came: what follows is the response's end, as late as it ends."""
+        return self._seen
+
     def handle(self, request: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         """Take the lease on the first request headers; nothing is ever answered."""
         if request.WhichOneof("request") != "request_headers" or self._seen:

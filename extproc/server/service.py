@@ -75,7 +75,9 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
         over = lingering = False
         receiver = Receiver(request_iterator)
         try:
-            while (request := await receiver.next()) is not None:
+            while (
+                request := await receiver.next(shielded=stream is not None and stream.waits_for_upstream)
+            ) is not None:
                 if stream is None:
                     stream = self._stream_for(request)
                 try:
@@ -113,7 +115,9 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, "not an envoy.service.ext_proc.v3.ProcessingRequest"
             )
         except asyncio.CancelledError:
-            if not (lingering or receiver.half_closed):
+            # Envoy's close of an accounting stream that has its lease is its normal end (the
+            # response's end; its half-close and reset come together, in either order here).
+            if not (lingering or (isinstance(stream, AccountingStream) and stream.waits_for_upstream)):
                 how = "cancelled"
             raise
         finally:
@@ -136,38 +140,28 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
 
 
 class Receiver:
-    """Envoy's messages on one stream, each received in a task of its own, shielded.
+    """Envoy's messages on one stream; those that wait for the upstream received in a task of their
+    own, shielded.
 
     When Envoy resets a stream, grpc.aio cancels the handler, and a receive cancelled with it keeps
     its operation array for good (grpc/grpc#43360: ~100 B per reset, and a reset comes with every
     request abandoned mid-answer). A receive left to finish on its own frees it
-    (``bench/grpc_resets.py``).
+    (``bench/grpc_resets.py``). The task costs the loop ~25 µs a message, so the messages of the
+    request itself, which Envoy sends at once, are received directly.
     """
 
     def __init__(self, messages_in: AsyncIterator[ep.ProcessingRequest]) -> None:
         self._in = aiter(messages_in)
-        self._last: asyncio.Future[ep.ProcessingRequest | None] | None = None
 
-    async def next(self) -> ep.ProcessingRequest | None:
-        """Envoy's next message, or None once it has half-closed the stream."""
+    async def next(self, *, shielded: bool = True) -> ep.ProcessingRequest | None:
+        """Envoy's next message, or None once it has half-closed the stream; ``shielded`` when it
+        may take as long as the upstream does (the response's headers or end)."""
+        if not shielded:
+            return await anext(self._in, None)
         read = asyncio.ensure_future(anext(self._in, None))
         _READS.add(read)
         read.add_done_callback(_read_done)
-        self._last = read
         return await asyncio.shield(read)
-
-    @property
-    def half_closed(self) -> bool:
-        """Envoy's half-close was received, even if the reset it sends right after cancelled the
-        handler before it saw the end."""
-        last = self._last
-        return (
-            last is not None
-            and last.done()
-            and not last.cancelled()
-            and last.exception() is None
-            and last.result() is None
-        )
 
 
 def _read_done(read: asyncio.Future[ep.ProcessingRequest | None]) -> None:

@@ -156,6 +156,12 @@ class RequestStream:
     def request_id(self) -> str:
         return messages.request_id(self._headers)
 
+    @property
+    def waits_for_upstream(self) -> bool:
+        """The request is answered (routed or refused): Envoy's next message comes when the
+        upstream answers, and a client may abandon the request before that."""
+        return self._done
+
     def handle(self, request: ep.ProcessingRequest) -> Responses | Pending:
         """Answer one message from Envoy; errors a client caused become HTTP answers.
 

@@ -124,29 +124,28 @@ async def test_an_accounting_stream_counts_until_the_half_close_and_takes_envoys
     assert ended.labels("accounting", "cancelled")._value.get() == 0
 
 
-async def test_a_stream_reset_while_serve_waits_for_a_message_releases_its_count_quietly(
+async def test_a_request_abandoned_before_its_response_releases_its_count_quietly(
     server: Server, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A client abandoning its request mid-answer makes Envoy reset the accounting stream while serve
-    waits for the response's end: the count goes, the stream counts as cancelled, nothing is
-    logged, and the receive that was waiting finishes on its own (none is left pending)."""
-    endpoint = "127.0.0.1:8000"
+    """A client leaving before the response's headers makes Envoy reset the routing stream while
+    serve waits for them: the count goes, the stream counts as cancelled, nothing is logged, and the
+    receive that was waiting finishes on its own (none is left pending)."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         with caplog.at_level(logging.WARNING):
             calls = []
             for _ in range(20):
-                call = channel.stream_stream(
-                    PROCESS, request_serializer=lambda b: b, response_deserializer=lambda b: b
-                )()
-                await call.write(_accounting_request(endpoint))
+                call = channel.stream_stream(PROCESS)()
+                for message in (headers(), body(chat("chat"))):
+                    await call.write(message.SerializeToString())
+                    await call.read()
                 calls.append(call)
-            await eventually(lambda: server.inflight.count(EndpointAddress(endpoint)) == 20, what="counted")
+            assert server.inflight.total == 20
             for call in calls:
                 assert call.cancel()
             await eventually(lambda: server.inflight.total == 0, what="released at the reset")
             ended = server.metrics.streams_ended
             await eventually(
-                lambda: ended.labels("accounting", "cancelled")._value.get() == 20, what="counted as reset"
+                lambda: ended.labels("routing", "cancelled")._value.get() == 20, what="counted as reset"
             )
             await eventually(lambda: not service._READS, what="every receive finished")
     noise = [r for r in caplog.records if r.name.startswith(("extproc.server", "asyncio", "grpc"))]
