@@ -126,7 +126,7 @@ def report(results: dict[str, Any]) -> str:
         "grpc.aio cancels the handler, and the receive with it. Behind Envoy, a request its client "
         "abandons mid-answer resets a stream that is waiting for a message (the routing stream, for "
         "the response headers; the accounting one, for the response's end). `serve` therefore reads "
-        "each message in a task the reset does not cancel: the receive then completes on its own "
+        "those messages in a task the reset does not cancel: the receive then completes on its own "
         "and frees its operations. `extproc_streams_ended_total{kind,how}` counts how streams end.",
     ]
     return "\n".join(lines) + "\n"

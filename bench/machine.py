@@ -49,18 +49,23 @@ def machine(**extra: Any) -> dict[str, Any]:
     }
 
 
+def _cpu_ticks() -> list[int]:
+    """The machine's CPU time by state, in clock ticks (/proc/stat's first line: user, nice,
+    system, idle, iowait, irq, softirq, steal, ...)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        return [int(x) for x in f.readline().split()[1:]]
+
+
 def machine_busy_seconds() -> float:
     """CPU-seconds all processes on the machine have used (/proc/stat, minus idle and iowait)."""
-    with open("/proc/stat", encoding="ascii") as f:
-        ticks = [int(x) for x in f.readline().split()[1:8]]
+    ticks = _cpu_ticks()[:7]
     return (sum(ticks) - ticks[3] - ticks[4]) / _CLK_TCK
 
 
 def machine_stolen_seconds() -> float:
     """CPU-seconds the hypervisor gave other guests while this VM wanted them (/proc/stat ``steal``):
     time a benchmark's processes were ready to run and did not."""
-    with open("/proc/stat", encoding="ascii") as f:
-        return int(f.readline().split()[8]) / _CLK_TCK
+    return _cpu_ticks()[7] / _CLK_TCK
 
 
 def provenance(m: dict[str, Any]) -> str:

@@ -223,17 +223,22 @@ def stolen_cell(r: dict[str, Any]) -> str:
 
 
 class Stolen:
-    """The cores the hypervisor took from this VM between two calls (see machine_stolen_seconds):
-    when a run falls behind, this says whether the machine did."""
+    """The cores the hypervisor took from this VM between two calls, and since it was made (see
+    machine_stolen_seconds): when a run falls behind, this says whether the machine did."""
 
     def __init__(self) -> None:
         self._seconds, self._at = machine_stolen_seconds(), time.monotonic()
+        self._first_seconds, self._first_at = self._seconds, self._at
 
     def since_last(self) -> float:
         seconds, at = machine_stolen_seconds(), time.monotonic()
         cores = (seconds - self._seconds) / max(at - self._at, 1e-9)
         self._seconds, self._at = seconds, at
         return round(cores, 3)
+
+    def since_start(self) -> float:
+        seconds, at = machine_stolen_seconds(), time.monotonic()
+        return round((seconds - self._first_seconds) / max(at - self._first_at, 1e-9), 3)
 
 
 def slope_per_hour(samples: list[tuple[float, float]]) -> float | None:
@@ -299,7 +304,7 @@ async def soak(
                     pid = serve.proc.pid
                     url = f"http://127.0.0.1:{listen}/v1/chat/completions"
                     busy0, wall0 = machine_busy_seconds(), time.monotonic()
-                    stolen0, stolen = machine_stolen_seconds(), Stolen()
+                    stolen = Stolen()
                     sender = asyncio.create_task(load(url, rate, duration, tally, seed))
                     pauser = asyncio.create_task(pause_engines(engines, serving.pause_at, serving.pause_s))
                     while not sender.done():
@@ -309,8 +314,9 @@ async def soak(
                                 "rss_mb": round(rss_mb(pid), 2),
                                 "in_flight": await in_flight(probe, serve),
                                 "tokenize_cache_mb": await cache_mb(probe, serve),
-                                # Each reset that cancels a pending read leaks ~100 B in grpc.aio
-                                # (grpc/grpc#43360): the timeline shows how RSS follows them.
+                                # Resets cost ~100 B each in grpc.aio when they cancel a receive
+                                # (grpc/grpc#43360; serve's Receiver avoids it): the timeline shows
+                                # whether RSS still follows them.
                                 "streams_reset": await ended_streams(probe, serve, "cancelled"),
                                 "sent": tally.sent,
                                 "errors": tally.errors,
@@ -322,7 +328,7 @@ async def soak(
                     sent_for = await sender
                     await pauser
                     busy = (machine_busy_seconds() - busy0) / (time.monotonic() - wall0)
-                    stolen_mean = (machine_stolen_seconds() - stolen0) / (time.monotonic() - wall0)
+                    stolen_mean = stolen.since_start()
                     await asyncio.sleep(1.0)  # the accounting streams' last closes
                     final_in_flight = await in_flight(probe, serve)
                     streams_ended = {
@@ -345,7 +351,7 @@ async def soak(
         "achieved_rate": round(achieved, 1),
         "client_p99_lag_ms": round(p99_lag * 1000, 1),
         "machine_busy_cores": round(busy, 2),
-        "machine_stolen_cores": round(stolen_mean, 3),
+        "machine_stolen_cores": stolen_mean,
         "tally": {k: v for k, v in asdict(tally).items() if k != "lags"},
         "rss_start_mb": samples[0]["rss_mb"] if samples else None,
         "rss_end_mb": round(final_rss, 2),
