@@ -3,9 +3,9 @@
 **Threads** (:class:`ThreadWorkers`) share this process's tokenizers and prompt-piece caches. An
 encode releases the GIL, so encodes use every core; a chat template render is Python, and holds the
 GIL that the event loop needs for up to the interpreter's switch interval at a time. The threads,
-and the tokenizer library's own pool, run at a lower CPU priority than the event loop
-(:data:`THREAD_NICE`): when the cores are short, long prompts wait (and past their budget are routed
-approximately) rather than every other decision.
+and the tokenizer library's own pool, run behind the event loop (:func:`lower_priority`): when the
+cores are short, long prompts wait (and past their budget are routed approximately) rather than
+every other decision.
 
 **Processes** (:class:`ProcessWorkers`) each load their own copy of the tokenizers once, at start,
 and are handed the raw request body: the JSON parse, the template render and the encode all run
@@ -46,9 +46,9 @@ log = logging.getLogger(__name__)
 AFFINITY_BYTES = 1024
 #: A conversation leaves its process for another only when that one is busier by this many calls.
 AFFINITY_SLACK = 2
-#: How much nicer than the event loop tokenizing threads run (Linux: each thread has its own nice
-#: value). At 10 the scheduler gives the loop ~10 times their share of a contended core, so a
-#: stream of long prompts no longer takes the cores from the short requests' decisions.
+#: How much nicer than the event loop tokenizing threads run where they cannot be made idle-class
+#: (Linux: each thread has its own nice value). At 10 the scheduler gives the loop ~10 times their
+#: share of a contended core.
 THREAD_NICE = 10
 
 
@@ -301,15 +301,21 @@ def _copy(stats: CacheStats) -> CacheStats:
 
 
 def lower_priority(nice: int) -> None:
-    """Make the calling thread ``nice`` nicer (and the threads it starts: Linux copies a thread's nice
-    value to the threads it creates). Nothing where threads have no priority of their own."""
+    """Put the calling thread, and the threads it starts (Linux copies both to them), behind every
+    other thread of the machine: scheduled idle-class (``SCHED_IDLE``), else ``nice`` nicer.
+
+    Idle-class rather than only nicer: a thread at nice +10 that holds a core keeps it until its
+    time slice is over when the event loop wakes, which delays the decision that woke it; any thread
+    of the normal class that wakes takes the core from an idle-class one at once. Nothing where
+    threads have no priority of their own."""
     if sys.platform != "linux":
         return
     thread = threading.get_native_id()
     try:
         os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + nice)
-    except OSError as exc:  # a sandbox forbidding it: run at the loop's priority
-        log.info("tokenizing threads keep the event loop's CPU priority: %s", exc)
+        os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+    except OSError as exc:  # a sandbox forbidding it: run as near the loop's priority as allowed
+        log.info("tokenizing threads keep more of the event loop's CPU priority: %s", exc)
 
 
 def start_library_pool() -> None:

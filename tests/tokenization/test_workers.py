@@ -120,14 +120,21 @@ async def test_a_worker_that_dies_is_replaced_and_what_it_ran_counted_lost(pool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux threads have own priorities")
 def test_tokenizing_threads_yield_the_cores_to_the_event_loop() -> None:
-    """The worker threads run nicer than the thread that made them (the event loop's)."""
+    """The worker threads are idle-class (and nicer, should that be refused), while the thread that
+    made them (the event loop's) stays in the normal class."""
     workers = ThreadWorkers(2)
     try:
         workers.start()
-        _, nice = workers.submit(own_nice).result(10)
+        _, (policy, nice) = workers.submit(lambda: (own_policy(), own_nice())).result(10)
     finally:
         workers.close()
+    assert policy == os.SCHED_IDLE
     assert nice == own_nice() + THREAD_NICE
+    assert own_policy() == os.SCHED_OTHER
+
+
+def own_policy() -> int:
+    return os.sched_getscheduler(threading.get_native_id())
 
 
 def own_nice() -> int:
@@ -135,9 +142,10 @@ def own_nice() -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread priorities from /proc")
-def test_the_tokenizer_librarys_own_threads_are_as_nice_as_the_workers() -> None:
+def test_the_tokenizer_librarys_own_threads_yield_like_the_workers() -> None:
     """In a fresh process (the library's pool is made once per process): once the workers have
-    started, even a batch encoded on the main thread runs on threads no less nice than the workers."""
+    started, even a batch encoded on the main thread runs on idle-class threads, no less nice than
+    the workers."""
     script = """
 import os
 from extproc.tokenize.workers import ThreadWorkers, start_library_pool
@@ -146,15 +154,16 @@ workers.start()
 workers.submit(lambda: None).result(10)
 start_library_pool()  # on the main thread too: the pool exists already, nothing new is made
 main = os.getpid()
-print(" ".join(
-    open(f"/proc/{main}/task/{t}/stat").read().rsplit(")", 1)[1].split()[16]
+stats = [
+    open(f"/proc/{main}/task/{t}/stat").read().rsplit(")", 1)[1].split()
     for t in os.listdir(f"/proc/{main}/task") if int(t) != main
-))
+]
+print(" ".join(f"{fields[16]},{fields[38]}" for fields in stats))  # nice, scheduling policy
 """
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
     )
-    nices = [int(n) for n in done.stdout.split()]
+    threads = [tuple(int(n) for n in t.split(",")) for t in done.stdout.split()]
     # The worker thread, and the library's pool (one thread per core at least).
-    assert len(nices) >= 2, done.stdout
-    assert min(nices) >= THREAD_NICE, f"threads' nice values: {nices}"
+    assert len(threads) >= 2, done.stdout
+    assert all(nice >= THREAD_NICE and policy == os.SCHED_IDLE for nice, policy in threads), threads
