@@ -20,6 +20,8 @@ from extproc.types import EndpointAddress
 CHARS_PER_BLOCK = 64
 CHARS_PER_TOKEN = 4
 _MASK = (1 << 60) - 1
+#: Distinct holder sets kept for sharing (see :meth:`ApproxPrefixIndex._share`).
+MAX_SHARED_SETS = 4096
 
 
 def text_keys(text: str, *, namespace: str, max_blocks: int, cache_salt: str | None = None) -> list[int]:
@@ -46,6 +48,10 @@ class ApproxPrefixIndex:
         self.max_entries = max_entries
         self.max_blocks_per_request = max_blocks_per_request
         self._holders: OrderedDict[int, frozenset[EndpointAddress]] = OrderedDict()
+        #: One instance of each holder set, shared by every key it holds. Without it each key had a
+        #: set of its own: ~216 bytes, and an object the cyclic collector walks on every full
+        #: collection (200,000 of them once the index is full).
+        self._shared: dict[frozenset[EndpointAddress], frozenset[EndpointAddress]] = {}
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -82,13 +88,14 @@ class ApproxPrefixIndex:
     def record(self, keys: Sequence[int], endpoint: EndpointAddress) -> None:
         """Remember that these chunks went to ``endpoint``."""
         holders = self._holders
+        alone = self._share(frozenset((endpoint,)))
         for key in keys:
             current = holders.get(key)
             if current is None:
-                holders[key] = frozenset((endpoint,))
+                holders[key] = alone
             else:
                 if endpoint not in current:
-                    holders[key] = current | {endpoint}
+                    holders[key] = self._share(current | alone)
                 holders.move_to_end(key)
         while len(holders) > self.max_entries:
             holders.popitem(last=False)
@@ -96,9 +103,19 @@ class ApproxPrefixIndex:
     def forget(self, keep: Iterable[EndpointAddress]) -> None:
         """Drop endpoints not in ``keep`` (they left the catalog)."""
         alive = frozenset(keep)
+        self._shared.clear()
         for key in list(self._holders):
             holders = self._holders[key] & alive
             if holders:
-                self._holders[key] = holders
+                self._holders[key] = self._share(holders)
             else:
                 del self._holders[key]
+
+    def _share(self, holders: frozenset[EndpointAddress]) -> frozenset[EndpointAddress]:
+        """The shared instance equal to ``holders``. Endpoints are few and a chunk is usually sent to
+        one or two of them, so there are few distinct sets; should a pool's churn make many, the
+        table starts over (keys keep the sets they have)."""
+        shared = self._shared
+        if len(shared) >= MAX_SHARED_SETS:
+            shared.clear()
+        return shared.setdefault(holders, holders)
