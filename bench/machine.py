@@ -62,6 +62,33 @@ def machine_busy_seconds() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / _CLK_TCK
 
 
+def tree_cpu_seconds(root: int) -> float:
+    """CPU-seconds used by process ``root`` and every process below it, children they have reaped
+    included (/proc/<pid>/stat: utime, stime, cutime, cstime of each; all of a process's threads)."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:  # it ended meanwhile: its parent's cutime has it once reaped
+            continue
+        pid = int(entry.name)
+        parents[pid] = int(fields[1])
+        ticks[pid] = sum(int(x) for x in fields[11:15])
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += ticks.get(pid, 0)
+        todo.extend(children.get(pid, ()))
+    return total / _CLK_TCK
+
+
 def machine_stolen_seconds() -> float:
     """CPU-seconds the hypervisor gave other guests while this VM wanted them (/proc/stat ``steal``):
     time a benchmark's processes were ready to run and did not."""
