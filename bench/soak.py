@@ -556,6 +556,10 @@ def report(results: dict[str, Any]) -> str:
         "streaming; 10% of requests abandoned by the client (after the first chunk, or after 5 ms). "
         "Each engine caches 4,000 blocks, so the caches fill and evict within the warm-up.",
     ]
+    if r.get("note"):
+        lines += ["", r["note"]]
+    if r.get("rejudged") and not r.get("warmup_rejudged"):
+        lines += ["", "Judged again after the run (`--rejudge`) by the soak's rules of now, on the same samples."]
     if r.get("warmup_rejudged"):
         lines += [
             "",
@@ -636,9 +640,13 @@ def main() -> None:
     warmup = args.warmup if args.warmup is not None else args.duration / 6
     if args.rejudge:
         results = json.loads(args.out.read_text())
-        results["soak"]["warmup_rejudged"] = True
+        results["soak"]["rejudged"] = True
+        if args.warmup is not None:
+            results["soak"]["warmup_rejudged"] = True
         judge(results["soak"], warmup)
     else:
+        # Before the run: the commit serve runs is the one checked out when it starts.
+        provenance_at_start = machine()
         serve_args = Serving(
             tuple(args.serve_arg),
             args.memtrace,
@@ -649,7 +657,7 @@ def main() -> None:
             args.pause_seconds,
         )
         result = asyncio.run(soak(args.rate, args.duration, args.sample, warmup, args.seed, serve_args))
-        results = {"machine": machine(), "soak": result}
+        results = {"machine": provenance_at_start, "soak": result}
     result = results["soak"]
     record(args.out, results, report)
     sys.exit(0 if result["passed"] else 1)
