@@ -301,13 +301,18 @@ def _copy(stats: CacheStats) -> CacheStats:
 
 
 def lower_priority(nice: int) -> None:
-    """Put the calling thread, and the threads it starts (Linux copies both to them), behind every
-    other thread of the machine: scheduled idle-class (``SCHED_IDLE``), else ``nice`` nicer.
+    """Put the calling thread, and the threads it starts (Linux copies both to them), behind the
+    normal threads it shares the cores with (in a container, those of its own cgroup): scheduled
+    idle-class (``SCHED_IDLE``), else ``nice`` nicer.
 
     Idle-class rather than only nicer: a thread at nice +10 that holds a core keeps it until its
     time slice is over when the event loop wakes, which delays the decision that woke it; any thread
-    of the normal class that wakes takes the core from an idle-class one at once. Nothing where
-    threads have no priority of their own."""
+    of the normal class that wakes takes the core from an idle-class one at once. The risk is the
+    GIL: an idle-class thread preempted while it holds it (rendering a template) keeps the loop
+    waiting until it runs again, which on cores full of other work can take a while; the switch
+    interval serve sets while threads tokenize (0.2 ms) keeps such holds short, and the A/B in
+    ``bench/results/long_prompts_sched_idle_ab.md`` measured the small requests' p99 lower, not
+    higher. Nothing where threads have no priority of their own."""
     if sys.platform != "linux":
         return
     thread = threading.get_native_id()
