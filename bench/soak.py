@@ -559,7 +559,7 @@ def report(results: dict[str, Any]) -> str:
     if r.get("note"):
         lines += ["", r["note"]]
     if r.get("rejudged") and not r.get("warmup_rejudged"):
-        lines += ["", "Judged again after the run (`--rejudge`) by the soak's rules of now, on the same samples."]
+        lines += ["", "Judged again after the run (`--rejudge`) by the soak's current rules, same samples."]
     if r.get("warmup_rejudged"):
         lines += [
             "",
