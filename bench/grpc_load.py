@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import resource
 import statistics
 import time
@@ -27,7 +26,7 @@ from typing import Any
 
 import grpc
 import orjson
-from machine import machine_busy_seconds
+from machine import machine_busy_seconds, proc_cpu_seconds
 
 from extproc.pb.envoy.config.core.v3 import base_pb2 as core
 from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
@@ -36,7 +35,6 @@ from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as 
 
 #: A hard cap on calls per run, whatever the duration (every load loop is bounded twice).
 MAX_CALLS = 2_000_000
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # grpc-stubs lacks it
 
 
@@ -114,13 +112,6 @@ async def one_stream(stub: ep_grpc.ExternalProcessorStub, messages: list[ep.Proc
     if not destination:
         raise StreamError("no destination in the headers answer")
     return destination
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """utime + stime of a process from /proc/PID/stat, in seconds."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
 def self_cpu_seconds() -> float:

@@ -62,17 +62,30 @@ def machine_busy_seconds() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / _CLK_TCK
 
 
+def process_stat(pid: int | str) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces and parentheses):
+    ``[0]`` is field 3 (the state), ``[1]`` the parent's pid, ``[11:15]`` utime, stime, cutime and
+    cstime in clock ticks."""
+    with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    fields = process_stat(pid)
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
 def tree_cpu_seconds(root: int) -> float:
     """CPU-seconds used by process ``root`` and every process below it, children they have reaped
-    included (/proc/<pid>/stat: utime, stime, cutime, cstime of each; all of a process's threads)."""
+    included (utime, stime, cutime, cstime of each; all of a process's threads)."""
     parents: dict[int, int] = {}
     ticks: dict[int, int] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
+            fields = process_stat(entry.name)
         except OSError:  # it ended meanwhile: its parent's cutime has it once reaped
             continue
         pid = int(entry.name)

@@ -239,14 +239,15 @@ def taken_cell(r: dict[str, Any], by: str) -> str:
     return f"{r[f'machine_{by}_cores']:g} ({worst.get(f'{by}_cores', 0.0):g}, {worst['at_s']:g})"
 
 
+def taken_cores(sample: dict[str, Any]) -> float:
+    """The cores the hypervisor and other processes took together in a sample (a run recorded
+    before the others were measured: the hypervisor's alone)."""
+    return float(sample.get("stolen_cores", 0.0) + sample.get("others_cores", 0.0))
+
+
 def shared_samples(samples: list[dict[str, Any]], since: float) -> list[dict[str, Any]]:
-    """Samples from ``since`` on in which the hypervisor and other processes together took more
-    than MAX_TAKEN_CORES (a run recorded before the others were measured: the hypervisor alone)."""
-    return [
-        s
-        for s in samples
-        if s["at_s"] >= since and s.get("stolen_cores", 0.0) + s.get("others_cores", 0.0) > MAX_TAKEN_CORES
-    ]
+    """Samples from ``since`` on in which others took more than MAX_TAKEN_CORES."""
+    return [s for s in samples if s["at_s"] >= since and taken_cores(s) > MAX_TAKEN_CORES]
 
 
 class Cores:
@@ -462,11 +463,11 @@ def judge(result: dict[str, Any], warmup: float) -> dict[str, Any]:
     shared = shared_samples(result["samples"], warmup)
     result["invalid"] = [i for i in result["invalid"] if not i.startswith("the machine was shared")]
     if shared:
-        worst = max(shared, key=lambda s: s.get("stolen_cores", 0.0) + s.get("others_cores", 0.0))
-        taken = worst.get("stolen_cores", 0.0) + worst.get("others_cores", 0.0)
+        worst = max(shared, key=taken_cores)
         result["invalid"].append(
             f"the machine was shared: in {len(shared)} samples after the warm-up the hypervisor and "
-            f"other processes took over {MAX_TAKEN_CORES:g} cores ({taken:.2f} at {worst['at_s']:g} s)"
+            f"other processes took over {MAX_TAKEN_CORES:g} cores "
+            f"({taken_cores(worst):.2f} at {worst['at_s']:g} s)"
         )
     if backlog is not None and backlog[1] > MAX_BACKLOG_GROWTH * backlog[0] + BACKLOG_SLACK:
         # Requests queue up in serve (bodies, prompts, streams) while the engines fall behind:

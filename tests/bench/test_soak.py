@@ -15,7 +15,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from bench.machine import tree_cpu_seconds
+from bench.machine import process_stat, tree_cpu_seconds
 from bench.soak import MAX_TAKEN_CORES, judge
 
 BURN = "import time\nend = time.process_time() + {seconds}\nwhile time.process_time() < end: pass\n"
@@ -83,7 +83,7 @@ def test_the_run_is_this_process_and_what_it_started_and_nothing_else() -> None:
         capture_output=True,
         text=True,
     )
-    stranger = Path(f"/proc/{int(started.stdout)}/stat")
+    stranger = int(started.stdout)
     before = tree_cpu_seconds(me)
     deadline = time.monotonic() + 30
     while running(stranger) and time.monotonic() < deadline:
@@ -91,9 +91,9 @@ def test_the_run_is_this_process_and_what_it_started_and_nothing_else() -> None:
     assert tree_cpu_seconds(me) - before < 0.2
 
 
-def running(stat: Path) -> bool:
+def running(pid: int) -> bool:
     """Whether the process is there and not a zombie (a container's init may reap it late)."""
     try:
-        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return process_stat(pid)[0] != "Z"
     except OSError:
         return False
