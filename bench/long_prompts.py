@@ -59,7 +59,7 @@ import aiohttp
 import grpc
 import orjson
 import tokenizers
-from grpc_load import chat_body, closed_loop, one_stream, request_messages
+from grpc_load import StreamError, chat_body, closed_loop, one_stream, request_messages
 from machine import machine, provenance, record
 from stack import ServeProcess
 
@@ -315,8 +315,9 @@ async def precise_share(admin_port: int, measure: Awaitable[dict[str, Any]]) -> 
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
-def _send_bodies(target: str, bodies: list[bytes], ready: Any, stop: Any, sent: Any) -> None:
-    """A child process: send ``bodies`` one stream after another until ``stop``, counting in ``sent``."""
+def _send_bodies(target: str, bodies: list[bytes], ready: Any, stop: Any, sent: Any, refused: bool) -> None:
+    """A child process: send ``bodies`` one stream after another until ``stop``, counting in ``sent``
+    (``refused``: serve is expected to refuse them, and an answer that is not a route counts too)."""
 
     async def run() -> None:
         async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
@@ -325,7 +326,11 @@ def _send_bodies(target: str, bodies: list[bytes], ready: Any, stop: Any, sent: 
             for body in bodies:
                 if stop.is_set():
                     return
-                await one_stream(stub, request_messages(body))
+                try:
+                    await one_stream(stub, request_messages(body))
+                except StreamError:
+                    if not refused:
+                        raise
                 sent.value += 1
 
     asyncio.run(run())
@@ -334,17 +339,24 @@ def _send_bodies(target: str, bodies: list[bytes], ready: Any, stop: Any, sent: 
 class LongPromptClient:
     """Another client, in a process of its own, streaming ``bodies`` to serve while in use."""
 
-    def __init__(self, target: str, bodies: list[bytes]) -> None:
+    def __init__(self, target: str, bodies: list[bytes], refused: bool = False) -> None:
         context = multiprocessing.get_context("spawn")  # no fork of a process running gRPC
         self._ready, self._stop = context.Event(), context.Event()
         self._sent = context.Value("i", 0)
         self._process = context.Process(
-            target=_send_bodies, args=(target, bodies, self._ready, self._stop, self._sent), daemon=True
+            target=_send_bodies,
+            args=(target, bodies, self._ready, self._stop, self._sent, refused),
+            daemon=True,
         )
 
     @property
     def sent(self) -> int:
         return int(self._sent.value)
+
+    @property
+    def pid(self) -> int | None:
+        """The client process's, once started."""
+        return self._process.pid
 
     async def __aenter__(self) -> LongPromptClient:
         self._process.start()
@@ -540,27 +552,14 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
 async def run(
     seconds: float, variants: list[str], profile: Path | None, serve_args: tuple[str, ...] = ()
 ) -> dict[str, Any]:
-    tokenizer_dir = ensure("llama3")
-    backend = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    backend = tokenizers.Tokenizer.from_file(str(ensure("llama3") / "tokenizer.json"))
     texts = Texts(backend, seed=13)
     results: dict[str, Any] = {"machine": machine(), "seconds": seconds, "variants": {}}
     if serve_args:
         results["serve_args"] = list(serve_args)
     with tempfile.TemporaryDirectory(prefix="extproc-long-") as tmp:
-        catalog = Path(tmp) / "catalog.yaml"
-        endpoints = [f"127.0.0.{i}:{free_port()}" for i in range(1, 9)]
-        kv_ports = {e: (free_port(), free_port()) for e in endpoints}
-        catalog.write_text(catalog_yaml([LocalWorkerSet("bench", MODEL, endpoints, kv_ports=kv_ports)]))
         for variant in variants:
-            extra = VARIANTS[variant]
-            with open(Path(tmp) / f"serve-{variant}.log", "wb") as log:  # noqa: ASYNC230 (local, instant)
-                serve = ServeProcess(
-                    catalog,
-                    extra_args=("--scrape-interval", "0", *extra, *serve_args),
-                    log=log,
-                    tokenizer=f"{MODEL}={tokenizer_dir}",
-                )
-                await serve.start()
+            serve = await start_serve(Path(tmp), variant, serve_args)
             admin_port = serve.admin_port
             try:
                 before = await loop_lag(admin_port)
@@ -582,6 +581,25 @@ async def run(
             results["variants"][variant] = measured
             print(variant, json.dumps(measured["ratios"]), file=sys.stderr)
     return results
+
+
+async def start_serve(tmp: Path, variant: str, serve_args: tuple[str, ...] = ()) -> ServeProcess:
+    """serve in ``variant``, over 8 endpoints that declare KV events, with the real Llama 3
+    tokenizer; its catalog and log (serve-VARIANT.log) in ``tmp``."""
+    catalog = tmp / "catalog.yaml"
+    if not catalog.exists():
+        endpoints = [f"127.0.0.{i}:{free_port()}" for i in range(1, 9)]
+        kv_ports = {e: (free_port(), free_port()) for e in endpoints}
+        catalog.write_text(catalog_yaml([LocalWorkerSet("bench", MODEL, endpoints, kv_ports=kv_ports)]))
+    with open(tmp / f"serve-{variant}.log", "wb") as log:  # noqa: ASYNC230 (local, instant)
+        serve = ServeProcess(
+            catalog,
+            extra_args=("--scrape-interval", "0", *VARIANTS[variant], *serve_args),
+            log=log,
+            tokenizer=f"{MODEL}={ensure('llama3')}",
+        )
+        await serve.start()
+    return serve
 
 
 def report(results: dict[str, Any]) -> str:

@@ -76,6 +76,28 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
+#: ``sched_setscheduler`` policy of idle-class threads (/proc/.../stat field 41).
+SCHED_IDLE = 5
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU-seconds of a process's threads in three groups: ``main`` (the first thread: an asyncio
+    program's event loop), ``idle_class`` (threads scheduled ``SCHED_IDLE``) and ``other``. Threads
+    that ended are missing: their time is only in the process's total."""
+    out = {"main": 0.0, "idle_class": 0.0, "other": 0.0}
+    for entry in os.scandir(f"/proc/{pid}/task"):
+        try:
+            fields = process_stat(f"{pid}/task/{entry.name}")
+        except OSError:  # the thread ended meanwhile
+            continue
+        seconds = (int(fields[11]) + int(fields[12])) / _CLK_TCK
+        group = (
+            "main" if entry.name == str(pid) else "idle_class" if int(fields[38]) == SCHED_IDLE else "other"
+        )
+        out[group] += seconds
+    return out
+
+
 def tree_cpu_seconds(root: int) -> float:
     """CPU-seconds used by process ``root`` and every process below it, children they have reaped
     included (utime, stime, cutime, cstime of each; all of a process's threads)."""
