@@ -7,8 +7,12 @@ unique ~32k-token chats, alternating ``--rounds`` times. Each run also records t
 used, in cores: serve's event loop (its main thread), serve's idle-class threads (tokenizing, and
 the tokenizer library's pool), serve's other threads (gRPC's), this client, the long-prompt client,
 the machine as a whole and what the hypervisor took (steal). A thread's figures cover the whole
-run, its 1 s warm-up included. With this the p99 beside can be told apart: serve's own work on the
-long prompts (the loop's cores per small request grow), or cores the parties take from each other.
+run, its 1 s warm-up included. Each round also runs the small requests beside a control: a CPU
+burner shaped like what the long prompts add (idle-class spinners and a normal process at the long
+client's share of a core), which gives serve no work. With these the p99 beside can be told apart:
+serve's own work on the long prompts (its loop's CPU per small request grows), or cores the parties
+take from each other (the burner does as much). ``STALL_LONG_MODEL=NAME`` sends the long prompts for
+a model serve does not route: it only receives and parses them.
 
     python bench/stall_cpu.py [--rounds 5] [--variant threads] [--serve-arg=...]
 
@@ -74,17 +78,8 @@ class Sampler:
     def _command(self, name: str) -> list[str]:
         assert self.out_dir is not None
         if self.tool == "perf":
-            return [
-                "perf",
-                "record",
-                "-F",
-                "999",
-                "-g",
-                "-t",
-                str(self.pid),
-                "-o",
-                str(self.out_dir / f"{name}.data"),
-            ]
+            data = self.out_dir / f"{name}.data"
+            return ["perf", "record", "-F", "999", "-g", "-t", str(self.pid), "-o", str(data)]
         return [
             *("py-spy", "record", "--pid", str(self.pid), "--format", "raw", "--rate", "250"),
             *("--nonblocking", "--threads", "--output", str(self.out_dir / f"{name}.txt")),
@@ -265,6 +260,7 @@ def report(results: dict[str, Any]) -> str:
         )
         + " |",
         "| small p50 ms | " + " | ".join(f"{results['p50_ms'][side]:.1f}" for side in SIDES) + " |",
+        "| errors | " + " | ".join(str(sum(r["errors"] for r in rounds[side])) for side in SIDES) + " |",
         "",
         *([] if results["valid"] else ["INVALID: the long-prompt client ran out of bodies.", ""]),
         "Cores each party used (CPU-seconds per second):",
