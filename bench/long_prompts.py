@@ -373,29 +373,57 @@ class LongPromptClient:
 
 
 class Profiler:
-    """py-spy on serve around a measure, when asked (``--profile DIR``): DIR/<variant>-<measure>.txt
-    holds its collapsed stacks (``py-spy`` must be on PATH; ``pip install py-spy``)."""
+    """A sampling profiler on serve around a measure, when asked, writing DIR/<variant>-<measure>:
 
-    def __init__(self, out_dir: Path | None, variant: str, pid: int) -> None:
-        self.out_dir, self.variant, self.pid = out_dir, variant, pid
+    - ``py-spy`` (``--profile DIR``): serve's Python stacks by thread, collapsed, in ``.txt``
+      (``py-spy`` must be on PATH; ``pip install py-spy``);
+    - ``perf``: ``perf record`` of serve's event-loop thread with native frames (gRPC, uvloop, the
+      interpreter), in ``.data``; read with ``perf report -i FILE --sort dso,sym``.
+
+    Neither stops serve to sample (py-spy's native mode would, and slowed serve ~50 times)."""
+
+    def __init__(self, out_dir: Path | None, variant: str, pid: int, tool: str = "py-spy") -> None:
+        self.out_dir, self.variant, self.pid, self.tool = out_dir, variant, pid, tool
+
+    def _command(self, out: Path) -> list[str]:
+        if self.tool == "perf":
+            return [
+                "perf",
+                "record",
+                "-F",
+                "999",
+                "-g",
+                "-t",
+                str(self.pid),
+                "-o",
+                str(out.with_suffix(".data")),
+            ]
+        return [
+            *("py-spy", "record", "--pid", str(self.pid), "--format", "raw", "--rate", "200"),
+            *("--nonblocking", "--threads", "--output", str(out.with_suffix(".txt"))),
+        ]
 
     @contextlib.asynccontextmanager
     async def around(self, measure: str) -> AsyncIterator[None]:
         if self.out_dir is None:
             yield
             return
-        out = self.out_dir / f"{self.variant}-{measure}.txt"
         spy = await asyncio.create_subprocess_exec(
-            "py-spy", "record", "--pid", str(self.pid), "--format", "raw", "--rate", "200",
-            "--nonblocking", "--threads", "--output", str(out),
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
+            *self._command(self.out_dir / f"{self.variant}-{measure}"),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
         await asyncio.sleep(0.5)  # attached
         try:
             yield
         finally:
-            spy.send_signal(signal.SIGINT)
-            await spy.wait()
+            if spy.returncode is None:
+                spy.send_signal(signal.SIGINT)
+            _, err = await spy.communicate()
+            if spy.returncode not in (0, -signal.SIGINT):
+                raise RuntimeError(
+                    f"{self.tool} failed ({spy.returncode}): {err.decode(errors='replace')[-500:]}"
+                )
 
 
 async def measure_variant(

@@ -72,7 +72,11 @@ def process_stat(pid: int | str) -> list[str]:
 
 def proc_cpu_seconds(pid: int) -> float:
     """utime + stime of a process (all its threads), in seconds."""
-    fields = process_stat(pid)
+    return _cpu_seconds(process_stat(pid))
+
+
+def _cpu_seconds(fields: list[str]) -> float:
+    """utime + stime, in seconds, of :func:`process_stat` fields (a process's or one thread's)."""
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
@@ -90,11 +94,10 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
             fields = process_stat(f"{pid}/task/{entry.name}")
         except OSError:  # the thread ended meanwhile
             continue
-        seconds = (int(fields[11]) + int(fields[12])) / _CLK_TCK
         group = (
             "main" if entry.name == str(pid) else "idle_class" if int(fields[38]) == SCHED_IDLE else "other"
         )
-        out[group] += seconds
+        out[group] += _cpu_seconds(fields)
     return out
 
 

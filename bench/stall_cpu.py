@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import multiprocessing
 import os
-import signal
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +41,7 @@ from long_prompts import (
     STREAMS,
     VARIANTS,
     LongPromptClient,
+    Profiler,
     Texts,
     cold_body,
     ensure,
@@ -63,47 +61,6 @@ BURNER_SHARE = 0.1
 #: The model the long prompts name: the routed one, or (STALL_LONG_MODEL, a diagnosis) one serve does
 #: not know, so it only receives and parses them (and answers 404): what that costs, without tokenizing.
 LONG_MODEL = os.environ.get("STALL_LONG_MODEL", MODEL).encode()
-
-
-class Sampler:
-    """A sampling profiler on serve around each run, when asked: ``--perf DIR``, ``perf record`` of
-    serve's event-loop thread (native frames: gRPC, uvloop, the interpreter), DIR/SIDE-N.data, read
-    with ``perf report -i FILE --sort dso,sym``; or ``--py-spy DIR``, serve's Python stacks by
-    thread, DIR/SIDE-N.txt (collapsed). Neither stops serve to sample (py-spy's native mode would,
-    and slowed serve ~50 times)."""
-
-    def __init__(self, out_dir: Path | None, tool: str, pid: int) -> None:
-        self.out_dir, self.tool, self.pid = out_dir, tool, pid
-
-    def _command(self, name: str) -> list[str]:
-        assert self.out_dir is not None
-        if self.tool == "perf":
-            data = self.out_dir / f"{name}.data"
-            return ["perf", "record", "-F", "999", "-g", "-t", str(self.pid), "-o", str(data)]
-        return [
-            *("py-spy", "record", "--pid", str(self.pid), "--format", "raw", "--rate", "250"),
-            *("--nonblocking", "--threads", "--output", str(self.out_dir / f"{name}.txt")),
-        ]
-
-    @contextlib.asynccontextmanager
-    async def around(self, name: str) -> AsyncIterator[None]:
-        if self.out_dir is None:
-            yield
-            return
-        perf = await asyncio.create_subprocess_exec(
-            *self._command(name), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
-        )
-        await asyncio.sleep(0.3)
-        try:
-            yield
-        finally:
-            if perf.returncode is None:
-                perf.send_signal(signal.SIGINT)
-            _, err = await perf.communicate()
-            if perf.returncode not in (0, -signal.SIGINT):
-                raise RuntimeError(
-                    f"{self.tool} failed ({perf.returncode}): {err.decode(errors='replace')[-500:]}"
-                )
 
 
 def _burn(stop: Any, idle_class: bool, share: float) -> None:
@@ -131,7 +88,6 @@ class Burner:
             name: context.Process(target=_burn, args=(self._stop, idle, share), daemon=True)
             for name, idle in (("burner_idle_0", True), ("burner_idle_1", True), ("burner_normal", False))
         }
-        self.sent = 0
 
     def pids(self) -> dict[str, int]:
         return {name: p.pid for name, p in self.processes.items() if p.pid is not None}
@@ -176,12 +132,12 @@ async def measured_run(
         "errors": run["errors"],
         "cores": cores,
         "latencies": latencies,
-        "long_sent": 0 if beside is None else beside.sent,
+        "long_sent": beside.sent if isinstance(beside, LongPromptClient) else 0,
     }
 
 
 async def measure(
-    target: str, admin_port: int, serve_pid: int, rounds: int, seconds: float, profiler: Sampler
+    target: str, admin_port: int, serve_pid: int, rounds: int, seconds: float, profiler: Profiler
 ) -> dict[str, Any]:
     backend = tokenizers.Tokenizer.from_file(str(ensure("llama3") / "tokenizer.json"))
     texts = Texts(backend, seed=13)
@@ -230,7 +186,7 @@ async def run(
         serve = await start_serve(Path(tmp), variant, serve_args)
         try:
             assert serve.proc is not None
-            profiler = Sampler(sampler[1], sampler[0], serve.proc.pid)
+            profiler = Profiler(sampler[1], variant, serve.proc.pid, tool=sampler[0])
             target = f"127.0.0.1:{serve.grpc_port}"
             results.update(await measure(target, serve.admin_port, serve.proc.pid, rounds, seconds, profiler))
         finally:
@@ -312,11 +268,14 @@ def main() -> None:
         "--perf",
         type=Path,
         metavar="DIR",
-        help="perf record serve's event-loop thread during each run, into DIR/{alone,beside}-N.data "
+        help="perf record serve's event-loop thread during each run, into DIR/VARIANT-SIDE-N.data "
         "(a profiler takes CPU too: compare profiled runs with profiled runs only)",
     )
     profilers.add_argument(
-        "--py-spy", type=Path, metavar="DIR", help="py-spy serve's threads during each run, into DIR/*.txt"
+        "--py-spy",
+        type=Path,
+        metavar="DIR",
+        help="py-spy serve's threads during each run, into DIR/VARIANT-SIDE-N.txt",
     )
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
