@@ -137,7 +137,13 @@ async def measured_run(
 
 
 async def measure(
-    target: str, admin_port: int, serve_pid: int, rounds: int, seconds: float, profiler: Profiler
+    target: str,
+    admin_port: int,
+    serve_pid: int,
+    rounds: int,
+    seconds: float,
+    profiler: Profiler,
+    long_bodies_per_round: int = LONG_BODIES,
 ) -> dict[str, Any]:
     backend = tokenizers.Tokenizer.from_file(str(ensure("llama3") / "tokenizer.json"))
     texts = Texts(backend, seed=13)
@@ -155,7 +161,8 @@ async def measure(
             async with profiler.around(f"alone-{i + 1}"):
                 runs["alone"].append(await measured_run(send_small, seconds, serve_pid, None))
             long_bodies = [
-                cold_body(texts, 32_000).replace(MODEL.encode(), LONG_MODEL, 1) for _ in range(LONG_BODIES)
+                cold_body(texts, 32_000).replace(MODEL.encode(), LONG_MODEL, 1)
+                for _ in range(long_bodies_per_round)
             ]
             async with LongPromptClient(
                 target, long_bodies, refused=MODEL.encode() != LONG_MODEL
@@ -174,12 +181,17 @@ async def measure(
         "p99_ms": {side: p(pooled[side], 0.99) * 1e3 for side in SIDES},
         "p50_ms": {side: p(pooled[side], 0.5) * 1e3 for side in SIDES},
         "burner_share": BURNER_SHARE,
-        "valid": all(r["long_sent"] < LONG_BODIES for r in runs["beside"]),
+        "valid": all(r["long_sent"] < long_bodies_per_round for r in runs["beside"]),
     }
 
 
 async def run(
-    variant: str, rounds: int, seconds: float, serve_args: tuple[str, ...], sampler: tuple[str, Path | None]
+    variant: str,
+    rounds: int,
+    seconds: float,
+    serve_args: tuple[str, ...],
+    sampler: tuple[str, Path | None],
+    long_bodies: int,
 ) -> dict[str, Any]:
     results: dict[str, Any] = {"machine": machine(), "variant": variant, "serve_args": list(serve_args)}
     with tempfile.TemporaryDirectory(prefix="extproc-stall-") as tmp:
@@ -188,7 +200,11 @@ async def run(
             assert serve.proc is not None
             profiler = Profiler(sampler[1], variant, serve.proc.pid, tool=sampler[0])
             target = f"127.0.0.1:{serve.grpc_port}"
-            results.update(await measure(target, serve.admin_port, serve.proc.pid, rounds, seconds, profiler))
+            results.update(
+                await measure(
+                    target, serve.admin_port, serve.proc.pid, rounds, seconds, profiler, long_bodies
+                )
+            )
         finally:
             await serve.stop()
     return results
@@ -260,6 +276,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each closed-loop run")
+    parser.add_argument(
+        "--long-bodies",
+        type=int,
+        default=LONG_BODIES,
+        help="unique 32k prompts made for each run beside them (more than are sent, or the run is invalid)",
+    )
     parser.add_argument("--variant", choices=list(VARIANTS), default="threads")
     parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "stall_cpu.json")
@@ -282,7 +304,9 @@ def main() -> None:
     sampler = ("perf", args.perf) if args.perf is not None else ("py-spy", args.py_spy)
     if sampler[1] is not None:
         sampler[1].mkdir(parents=True, exist_ok=True)
-    results = asyncio.run(run(args.variant, args.rounds, args.seconds, tuple(args.serve_arg), sampler))
+    results = asyncio.run(
+        run(args.variant, args.rounds, args.seconds, tuple(args.serve_arg), sampler, args.long_bodies)
+    )
     record(args.out, results, report)
 
 

@@ -190,7 +190,7 @@ class PrefixScorer:
             if isinstance(step, Tokenized):
                 return step
             call, size = step
-            done = await self.pool.run(call, size=size)
+            done = await self.pool.run(call, size=size, opening=request.body)
             return done if done is not None else Tokenized(model, None)
         except Exception as exc:
             self._tokenize_failed(model, exc)
@@ -204,7 +204,9 @@ class PrefixScorer:
         seed = namespace_seed(model, request.cache_salt)
         keyer = functools.partial(keys_by_block_size, seed, block_sizes)
         call = functools.partial(body_ids, model, request.path, request.body, keyer)
-        answer = await self.pool.run(call, affinity=request.body[:AFFINITY_BYTES], size=len(request.body))
+        answer = await self.pool.run(
+            call, affinity=request.body[:AFFINITY_BYTES], size=len(request.body), opening=request.body
+        )
         if answer is None or answer.ids is None:
             if answer is not None and answer.error is not None:
                 bad_request, message = answer.error

@@ -192,6 +192,13 @@ class PrefixCollector(Collector):
                 "for new ones in --tokenize-queue; run, they would only have taught the segment tree.",
                 value=pool.dropped,
             )
+            yield CounterMetricFamily(
+                "extproc_tokenize_late_skipped",
+                "Late prompts not run because their opening (their body's first few kB) did not recur: "
+                "no prompt seen before began the same way, so tokenizing them would teach the segment "
+                "tree nothing a later prompt reuses (a conversation's next turn repeats its history).",
+                value=pool.skipped,
+            )
         counters = r.scorer.counters
         yield _hold_histogram(
             "extproc_tokenize_loop_seconds",

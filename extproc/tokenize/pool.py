@@ -22,8 +22,14 @@ left to wait out its budget. Workers therefore spend their time on prompts whose
 still waits for: under a sustained overload, with first-come-first-served, every prompt would
 finish just too late. A prompt whose requester stopped waiting is *late*: it still runs when no
 waiting prompt needs the worker (newest first), because tokenizing it teaches the segment tree,
-and a conversation's next turn is then not cold again. Late prompts give up their place in the
-queue to new ones.
+and a conversation's next turn is then not cold again; but only when its opening recurs
+(:mod:`extproc.tokenize.openings`): a one-off prompt would teach nothing, and the cores it took
+slow every other decision. Late prompts give up their place in the queue to new ones.
+
+The workers' speed is learned from the calls they finish. Skipping late prompts could leave it
+stale: learned while the cores were short, it would turn every long prompt away after the cores
+came free. So when nothing has taught it for :data:`SPEED_STALE_S` and no worker is busy, a late
+prompt runs anyway, to measure.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
+from extproc.tokenize.openings import Openings
 from extproc.tokenize.workers import ProcessWorkers, ThreadWorkers
 
 #: Why a prompt was routed without its token ids.
@@ -44,6 +51,8 @@ T = TypeVar("T")
 SPEED_WEIGHT = 0.2
 #: Calls smaller than this teach nothing of the speed: their time is mostly fixed costs.
 SPEED_MIN_SIZE = 1024
+#: Seconds without a call teaching the workers' speed after which a late prompt runs to measure it.
+SPEED_STALE_S = 1.0
 
 
 @dataclass(eq=False, slots=True)
@@ -56,6 +65,8 @@ class _Job(Generic[T]):
     deadline: float
     #: What the requester awaits; done before the job starts: nobody waits any more (late).
     answer: asyncio.Future[T | None]
+    #: Worth running late: its opening recurs (or is unknown).
+    learns: bool = True
 
 
 class TokenizePool:
@@ -83,12 +94,17 @@ class TokenizePool:
         self.fallbacks: dict[Fallback, int] = {"queue_full": 0, "budget": 0}
         #: Late prompts dropped unrun to make room (they would only have taught the segment tree).
         self.dropped = 0
+        #: Late prompts not run: their opening did not recur, so they would have taught nothing.
+        self.skipped = 0
+        self.openings = Openings()
         self._waiting: deque[_Job[Any]] = deque()
         self._late: deque[_Job[Any]] = deque()
         self._running = 0
         #: Seconds and sizes of recent calls, each weighted down by SPEED_WEIGHT per newer call.
         self._seconds = 0.0
         self._sizes = 0.0
+        #: Loop time the speed was last learned.
+        self._learned_at = float("-inf")
 
     @property
     def in_processes(self) -> bool:
@@ -100,12 +116,16 @@ class TokenizePool:
         """Prompts being tokenized or waiting for a worker (late ones included)."""
         return self._running + len(self._waiting) + len(self._late)
 
-    async def run(self, call: Callable[[], T], affinity: bytes = b"", size: int = 0) -> T | None:
+    async def run(
+        self, call: Callable[[], T], affinity: bytes = b"", size: int = 0, opening: bytes = b""
+    ) -> T | None:
         """``call()`` in a worker; None if the queue is full or it cannot be ready within the budget.
 
         Exceptions from ``call`` propagate to the awaiting request (its caller decides what a bad
         prompt means). ``affinity``: calls alike in it go to the same process, when in processes.
         ``size``: how much work the call is (characters), to judge whether it can still be ready.
+        ``opening``: the request's body, whose opening decides whether the call runs late (empty:
+        unknown, it does).
         """
         if self.pending >= self.max_pending:
             if not self._late:
@@ -115,10 +135,11 @@ class TokenizePool:
             self.dropped += 1
         loop = asyncio.get_running_loop()
         now = loop.time()
-        job = _Job(call, affinity, size, now + self.budget, loop.create_future())
+        learns = not opening or self.openings.recurs(opening)
+        job = _Job(call, affinity, size, now + self.budget, loop.create_future(), learns)
         if not self._fits(job, now):  # not even a free worker could make it: late at once
             job.answer.set_result(None)
-            self._late.append(job)
+            self._make_late(job, now)
             self._dispatch()
             self.fallbacks["budget"] += 1
             return None
@@ -130,7 +151,7 @@ class TokenizePool:
             answer = None
             if job in self._waiting:  # not started: late, so a new prompt may take its place
                 self._waiting.remove(job)
-                self._late.append(job)
+                self._make_late(job, loop.time())
         if answer is None:
             self.fallbacks["budget"] += 1
         return answer
@@ -158,13 +179,21 @@ class TokenizePool:
         while self._waiting:
             job = self._waiting.popleft()
             if job.answer.done():  # its requester gave up waiting
-                self._late.append(job)
+                self._make_late(job, now)
             elif self._fits(job, now):
                 return job
             else:  # cannot be ready in time: its requester goes on now, not at the deadline
                 job.answer.set_result(None)
-                self._late.append(job)
+                self._make_late(job, now)
         return self._late.pop() if self._late else None
+
+    def _make_late(self, job: _Job[Any], now: float) -> None:
+        """Keep ``job`` to run late if it teaches something, or to measure a stale speed."""
+        stale = now - self._learned_at > SPEED_STALE_S and not self._running and not self._late
+        if job.learns or stale:
+            self._late.append(job)
+        else:
+            self.skipped += 1
 
     def _fits(self, job: _Job[Any], now: float) -> bool:
         """True unless the workers' speed says ``job`` cannot be ready by its deadline (an unknown
@@ -191,13 +220,14 @@ class TokenizePool:
                 job.answer.set_exception(error)
         else:
             seconds, result = future.result()
-            self._learn(job.size, seconds)
+            self._learn(job.size, seconds, asyncio.get_running_loop().time())
             if not job.answer.done():
                 job.answer.set_result(result)
         self._dispatch()
 
-    def _learn(self, size: int, seconds: float) -> None:
+    def _learn(self, size: int, seconds: float, now: float) -> None:
         # A ratio of sums, not a mean of ratios: a small call slowed by a pause weighs little.
         if size >= SPEED_MIN_SIZE:
+            self._learned_at = now
             self._seconds = self._seconds * (1 - SPEED_WEIGHT) + seconds
             self._sizes = self._sizes * (1 - SPEED_WEIGHT) + size

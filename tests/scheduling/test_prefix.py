@@ -29,8 +29,9 @@ from extproc.scheduling.prefix import PrefixMatch, PrefixScorer, Tokenized
 from extproc.settings import TokenizerSpec
 from extproc.sim.kv_events import BlockStored
 from extproc.sim.kv_wire import encode_batch
+from extproc.tokenize import pool as pool_module
 from extproc.tokenize import shipped_chat_template, shipped_tokenizer
-from extproc.tokenize.pool import TokenizePool
+from extproc.tokenize.pool import SPEED_MIN_SIZE, TokenizePool
 from extproc.tokenize.registry import SHIPPED_TOKENIZER, TokenizerRegistry
 from extproc.tokenize.segments import SegmentCache
 from extproc.tokenize.workers import ProcessWorkers, WorkerSetup
@@ -611,6 +612,54 @@ async def test_a_prompt_past_its_budget_still_teaches_the_tree() -> None:
         tokenized = await router.scorer.prompt_tokens(route, request)
         assert tokenized.path is not None and list(tokenized.ids or []) == engine_tokens(CHAT, payload)
         assert tree_of(router).stats.hits >= len(tokenized.path.segments)
+    finally:
+        busy.set()
+        pool.close()
+
+
+async def test_only_a_conversations_next_turn_past_its_budget_teaches_the_tree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past its budget, a one-off prompt is not tokenized afterwards; the conversation's second turn,
+    which repeats its first, is: its third turn then finds the history in the tree."""
+    monkeypatch.setattr(pool_module, "SPEED_STALE_S", 60.0)  # no late run just to measure the speed
+    pool = TokenizePool(threads=1, budget=0.01)
+    await pool.run(lambda: None, size=SPEED_MIN_SIZE)  # the speed is known
+    router = Router(pool=pool, registry=with_segment_tree())
+    route = router.route(LLAMA)
+    busy = threading.Event()
+
+    async def past_budget(messages: list[dict[str, str]]) -> Any:
+        """Sent while the only worker is busy; the tree's hits before, and after its late run."""
+        request = parse_request(orjson.dumps({"model": LLAMA, "messages": messages}), path=CHAT)
+        busy.clear()
+        holding = asyncio.create_task(pool.run(busy.wait))  # the only worker, taken through the pool
+        await asyncio.sleep(0.01)
+        assert await router.scorer.prompt_tokens(route, request) == Tokenized(LLAMA, None)
+        busy.set()
+        await holding
+        for _ in range(200):
+            if pool.pending == 0:
+                break
+            await asyncio.sleep(0.01)
+        return request
+
+    try:
+        await past_budget([{"role": "user", "content": "A one-off question: " + LONG * 20}])
+        messages = [{"role": "user", "content": LONG * 20}]
+        await past_budget(messages)
+        assert tree_of(router).bytes == 0 and pool.skipped == 2  # neither taught the tree
+        messages += [{"role": "assistant", "content": "An answer."}, {"role": "user", "content": "And?"}]
+        await past_budget(messages)
+        assert tree_of(router).bytes > 0 and pool.skipped == 2
+        messages += [{"role": "assistant", "content": "Another."}, {"role": "user", "content": "Then?"}]
+        request = parse_request(orjson.dumps({"model": LLAMA, "messages": messages}), path=CHAT)
+        hits = tree_of(router).stats.hits
+        tokenized = await router.scorer.prompt_tokens(route, request)
+        assert tokenized.path is not None and list(tokenized.ids or []) == engine_tokens(
+            CHAT, {"messages": messages}
+        )
+        assert tree_of(router).stats.hits > hits  # the history was known
     finally:
         busy.set()
         pool.close()

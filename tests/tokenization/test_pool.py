@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from extproc.tokenize import pool as pool_module
 from extproc.tokenize.pool import TokenizePool
 
 
@@ -168,3 +170,47 @@ async def test_a_late_prompt_gives_up_its_place_in_a_full_queue() -> None:
         await newest
         await settle(pool)
         assert ran == ["newest"]  # the dropped one never ran
+
+
+def one_off(seed: int) -> bytes:
+    """A body no other prompt began like (long enough for its opening to be judged)."""
+    return random.Random(seed).randbytes(64 << 10)
+
+
+async def test_a_late_prompt_runs_only_when_its_opening_recurs() -> None:
+    """A one-off prompt past its budget is not tokenized afterwards (it would teach nothing); a
+    conversation's next turn, which repeats the history, is."""
+    ran: list[str] = []
+    with pool_and_release(budget=0.05) as (pool, release):
+        first_turn = one_off(1)
+        next_turn = first_turn + b" and one more message"
+        for name, opening in (("first turn", first_turn), ("one-off", one_off(2)), ("next turn", next_turn)):
+            holding = asyncio.create_task(pool.run(lambda: release.wait(5)))  # the only worker: busy
+            await asyncio.sleep(0.01)
+            assert await pool.run(lambda name=name: ran.append(name), opening=opening) is None
+            release.set()
+            await holding
+            await settle(pool)
+            release.clear()
+        assert ran == ["next turn"]
+        assert pool.skipped == 2 and pool.fallbacks["budget"] == 6  # the three holding ones too
+
+
+async def test_a_speed_learned_while_cores_were_short_is_measured_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Workers measured slow turn long prompts away at once; once nothing has measured them for a
+    while, a late prompt runs anyway, even a one-off, and long prompts fit again."""
+    monkeypatch.setattr(pool_module, "SPEED_STALE_S", 0.3)
+    ran: list[int] = []
+    with pool_and_release(budget=1.0) as (pool, _):
+        # 2,000 characters in ~100 ms: ~50 us a character, so 100,000 cannot make a 1 s budget.
+        await pool.run(lambda: time.sleep(0.1), size=2000)
+        assert await pool.run(lambda: ran.append(1), size=100_000, opening=one_off(1)) is None
+        await settle(pool)
+        assert ran == [] and pool.skipped == 1  # the speed was fresh: a one-off is not run late
+        await asyncio.sleep(0.4)
+        assert await pool.run(lambda: ran.append(2), size=100_000, opening=one_off(2)) is None
+        await settle(pool)
+        assert ran == [2]  # run late to measure: fast now
+        assert await pool.run(lambda: 3, size=100_000, opening=one_off(3)) == 3  # fits again
