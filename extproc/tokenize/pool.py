@@ -26,10 +26,11 @@ and a conversation's next turn is then not cold again; but only when its opening
 (:mod:`extproc.tokenize.openings`): a one-off prompt would teach nothing, and the cores it took
 slow every other decision. Late prompts give up their place in the queue to new ones.
 
-The workers' speed is learned from the calls they finish. Skipping late prompts could leave it
-stale: learned while the cores were short, it would turn every long prompt away after the cores
-came free. So when nothing has taught it for :data:`SPEED_STALE_S` and no worker is busy, a late
-prompt runs anyway, to measure.
+The workers' speed is learned from the calls they finish. With one-off late prompts skipped, it
+could go stale: learned while the cores were short, it would turn every long prompt away at once
+long after the cores came free, and nothing would measure it again. So a speed no call has taught
+for :data:`SPEED_STALE_S` is forgotten: the next prompt is tried (it waits at most its budget), and
+measures it afresh.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ T = TypeVar("T")
 SPEED_WEIGHT = 0.2
 #: Calls smaller than this teach nothing of the speed: their time is mostly fixed costs.
 SPEED_MIN_SIZE = 1024
-#: Seconds without a call teaching the workers' speed after which a late prompt runs to measure it.
+#: Seconds without a call teaching the workers' speed after which it is forgotten (see the module).
 SPEED_STALE_S = 1.0
 
 
@@ -139,7 +140,7 @@ class TokenizePool:
         job = _Job(call, affinity, size, now + self.budget, loop.create_future(), learns)
         if not self._fits(job, now):  # not even a free worker could make it: late at once
             job.answer.set_result(None)
-            self._make_late(job, now)
+            self._make_late(job)
             self._dispatch()
             self.fallbacks["budget"] += 1
             return None
@@ -151,7 +152,7 @@ class TokenizePool:
             answer = None
             if job in self._waiting:  # not started: late, so a new prompt may take its place
                 self._waiting.remove(job)
-                self._make_late(job, loop.time())
+                self._make_late(job)
         if answer is None:
             self.fallbacks["budget"] += 1
         return answer
@@ -179,25 +180,26 @@ class TokenizePool:
         while self._waiting:
             job = self._waiting.popleft()
             if job.answer.done():  # its requester gave up waiting
-                self._make_late(job, now)
+                self._make_late(job)
             elif self._fits(job, now):
                 return job
             else:  # cannot be ready in time: its requester goes on now, not at the deadline
                 job.answer.set_result(None)
-                self._make_late(job, now)
+                self._make_late(job)
         return self._late.pop() if self._late else None
 
-    def _make_late(self, job: _Job[Any], now: float) -> None:
-        """Keep ``job`` to run late if it teaches something, or to measure a stale speed."""
-        stale = now - self._learned_at > SPEED_STALE_S and not self._running and not self._late
-        if job.learns or stale:
+    def _make_late(self, job: _Job[Any]) -> None:
+        """Keep ``job`` to run late if it teaches something."""
+        if job.learns:
             self._late.append(job)
         else:
             self.skipped += 1
 
     def _fits(self, job: _Job[Any], now: float) -> bool:
         """True unless the workers' speed says ``job`` cannot be ready by its deadline (an unknown
-        speed or size: it can)."""
+        or stale speed, or an unknown size: it can)."""
+        if now - self._learned_at > SPEED_STALE_S:
+            self._seconds = self._sizes = 0.0
         return not self._sizes or now + job.size * self._seconds / self._sizes <= job.deadline
 
     def _start(self, job: _Job[Any]) -> None:
