@@ -575,9 +575,13 @@ async def measure_variant(
                 admin_port, timed(lambda: send(next(turns_left)), NEXT_TURN_SAMPLES)
             )
             colds = await precise_share(admin_port, timed(lambda: send(next(cold_bodies)), NEXT_TURN_SAMPLES))
+            # The floor under both: a round trip with nothing to tokenize (the client's and gRPC's
+            # costs, which a next turn pays as much as a cold prompt).
+            smalls = await latencies(lambda: send(small), NEXT_TURN_SAMPLES)
         out["next_turn"] = {
             "p50_next_turn_ms": p(next_turns["latencies"], 0.5) * 1e3,
             "p50_cold_ms": p(colds["latencies"], 0.5) * 1e3,
+            "p50_small_ms": p(smalls, 0.5) * 1e3,
             # A cold prompt routed without its tokens costs less than one tokenized: the ratio
             # means what it says only when both shares are 1.
             "precise_share_next_turn_cold": [next_turns["precise_share"], colds["precise_share"]],
@@ -726,9 +730,10 @@ def report(results: dict[str, Any]) -> str:
             lambda v: stall_cell(v["stall_one_stream"]),
         ),
         (
-            "next turn / cold p50 ms (tokenized in time: next turn / cold)",
+            "next turn / cold / 64-byte chat p50 ms, one stream (tokenized in time: next turn / cold)",
             lambda v: (
-                f"{v['next_turn']['p50_next_turn_ms']:.1f} / {v['next_turn']['p50_cold_ms']:.1f} ("
+                f"{v['next_turn']['p50_next_turn_ms']:.1f} / {v['next_turn']['p50_cold_ms']:.1f} / "
+                + f"{v['next_turn'].get('p50_small_ms', float('nan')):.1f} ("
                 + " / ".join(f"{x:.0%}" for x in v["next_turn"].get("precise_share_next_turn_cold", []))
                 + ")"
             ),
