@@ -20,8 +20,9 @@ the small one, so no cache of whole bodies can help. Measured, per `serve` varia
   alone and while another client (a process of its own) streams unique ~32k-token chats one after
   another, alternating 3 times, each side's latencies pooled; and, stricter, the same with the
   small requests sent one at a time (once);
-- **next turn**: one stream; p50 of a conversation's next turn (same ~8k history, a new last
-  message) against p50 of cold ~8k prompts;
+- **next turn**: one stream, once serve has nothing left to tokenize; p50 of a conversation's next
+  turn (same ~8k history, a new last message) against p50 of cold ~8k prompts, each with the share
+  tokenized in time, and a 64-byte chat's p50: the round trip both pay;
 - **event loop**: `serve`'s own ``extproc_event_loop_lag_seconds``: the 10 ms timer ticks more
   than 5 ms late over the whole run, and the largest bucket reached; also per measure, with the
   first small one (no tokenizing at all) as the control for what the machine alone costs; the

@@ -36,7 +36,6 @@ import tokenizers
 from grpc_load import chat_body, closed_loop, one_stream, request_messages
 from long_prompts import (
     CHANNEL_OPTIONS,
-    LONG_BODIES,
     MODEL,
     STREAMS,
     VARIANTS,
@@ -57,7 +56,7 @@ HERE = Path(__file__).resolve().parent
 #: Small requests alone; beside the long prompts; beside the burner (the control, no serve work).
 SIDES = ("alone", "beside", "burner")
 #: Unique 32k prompts made per run beside them: serve answers ~80/s of them when it does not
-#: tokenize one-off prompts late, more than long_prompts' LONG_BODIES last.
+#: tokenize one-off prompts late, more than long_prompts' 400 would last.
 STALL_LONG_BODIES = 1000
 #: The burner's normal-class process: the long-prompt client's share of a core, as measured.
 BURNER_SHARE = 0.1
@@ -146,7 +145,7 @@ async def measure(
     rounds: int,
     seconds: float,
     profiler: Profiler,
-    long_bodies_per_round: int = LONG_BODIES,
+    long_bodies_per_round: int = STALL_LONG_BODIES,
 ) -> dict[str, Any]:
     backend = tokenizers.Tokenizer.from_file(str(ensure("llama3") / "tokenizer.json"))
     texts = Texts(backend, seed=13)
