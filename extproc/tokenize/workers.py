@@ -10,7 +10,8 @@ every other decision.
 **Processes** (:class:`ProcessWorkers`) each load their own copy of the tokenizers once, at start,
 and are handed the raw request body: the JSON parse, the template render and the encode all run
 outside this process, so none of it holds the event loop's GIL, and renders use more than one
-core. The price: each process's memory (the tokenizers, its own prompt-piece cache), ~1 s to start,
+core. They run idle-class too (:func:`lower_priority`, their whole process). The price: each
+process's memory (the tokenizers, its own prompt-piece cache), ~1 s to start,
 and a pickled body and ids per call. A conversation sticks to one process (chosen by the start of
 its body, unless that one is busier than another by two calls), so its next turn finds its pieces
 cached there.
@@ -260,6 +261,9 @@ _registry: TokenizerRegistry | None = None
 
 def _load(setup: WorkerSetup) -> None:
     global _registry
+    # Behind serve's event loop, as the worker threads are; the tokenizer library's pool, made in
+    # this thread on the first batch, inherits it.
+    lower_priority(THREAD_NICE)
     _registry = TokenizerRegistry.load(
         setup.specs, hf_cache=setup.hf_cache, segment_cache_bytes=setup.segment_cache_bytes
     )

@@ -15,9 +15,11 @@ import time
 from array import array
 from collections.abc import AsyncIterator
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 
 import orjson
 import pytest
+from waiting import eventually
 
 from extproc.openai import parse_request
 from extproc.settings import TokenizerSpec
@@ -130,6 +132,32 @@ def test_tokenizing_threads_yield_the_cores_to_the_event_loop() -> None:
         workers.close()
     assert policy == os.SCHED_IDLE
     assert nice == own_nice() + THREAD_NICE
+    assert own_policy() == os.SCHED_OTHER
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread priorities from /proc")
+async def test_worker_processes_yield_the_cores_to_the_event_loop(pool: TokenizePool) -> None:
+    """Every thread of a worker process (the one that runs the calls, the library's pool) is
+    idle-class, as the worker threads are; this process's event loop stays in the normal class."""
+    as_list(await ids_of(pool, chat_body("Hello there.")))  # a library pool exists now
+    workers = pool.workers
+    assert isinstance(workers, ProcessWorkers) and len(workers.pids()) == 2
+
+    def priorities() -> set[tuple[int, int]]:
+        """(nice, scheduling policy) of every thread of the worker processes."""
+        threads = [
+            Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            for pid in workers.pids()
+            for tid in os.listdir(f"/proc/{pid}/task")
+        ]
+        return {(int(fields[16]), int(fields[38])) for fields in threads}
+
+    # The process that did not run the call may still be starting (its loading lowers it).
+    await eventually(
+        lambda: all(nice >= THREAD_NICE and policy == os.SCHED_IDLE for nice, policy in priorities()),
+        within=30,
+        what="every worker-process thread idle-class",
+    )
     assert own_policy() == os.SCHED_OTHER
 
 
