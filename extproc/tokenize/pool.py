@@ -28,9 +28,10 @@ slow every other decision. Late prompts give up their place in the queue to new 
 
 The workers' speed is learned from the calls they finish. With one-off late prompts skipped, it
 could go stale: learned while the cores were short, it would turn every long prompt away at once
-long after the cores came free, and nothing would measure it again. So a speed no call has taught
-for :data:`SPEED_STALE_S` is forgotten: the next prompt is tried (it waits at most its budget), and
-measures it afresh.
+long after the cores came free, and nothing would measure it again. So once no call has taught it
+for :data:`SPEED_STALE_S`, one prompt is tried whatever the speed says (it waits at most its
+budget), and what it measures replaces the stale speed. One, not every prompt until one finishes:
+beside a stream of one-off long prompts on busy cores, each try is tokenizing nobody may use.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ T = TypeVar("T")
 SPEED_WEIGHT = 0.2
 #: Calls smaller than this teach nothing of the speed: their time is mostly fixed costs.
 SPEED_MIN_SIZE = 1024
-#: Seconds without a call teaching the workers' speed after which it is forgotten (see the module).
+#: Seconds without a call teaching the workers' speed after which one prompt is tried to measure
+#: it afresh (see the module).
 SPEED_STALE_S = 1.0
 
 
@@ -68,6 +70,8 @@ class _Job(Generic[T]):
     answer: asyncio.Future[T | None]
     #: Worth running late: its opening recurs (or is unknown).
     learns: bool = True
+    #: Tried to measure a stale speed: it fits whatever the speed says.
+    probe: bool = False
 
 
 class TokenizePool:
@@ -104,8 +108,9 @@ class TokenizePool:
         #: Seconds and sizes of recent calls, each weighted down by SPEED_WEIGHT per newer call.
         self._seconds = 0.0
         self._sizes = 0.0
-        #: Loop time the speed was last learned.
+        #: Loop time the speed was last learned, and a prompt last tried to measure it.
         self._learned_at = float("-inf")
+        self._probed_at = float("-inf")
 
     @property
     def in_processes(self) -> bool:
@@ -197,9 +202,13 @@ class TokenizePool:
 
     def _fits(self, job: _Job[Any], now: float) -> bool:
         """True unless the workers' speed says ``job`` cannot be ready by its deadline (an unknown
-        or stale speed, or an unknown size: it can)."""
-        if now - self._learned_at > SPEED_STALE_S:
-            self._seconds = self._sizes = 0.0
+        speed or size: it can; a stale speed: one prompt can, to measure it)."""
+        if job.probe:
+            return True
+        if now - max(self._learned_at, self._probed_at) > SPEED_STALE_S:
+            job.probe = True
+            self._probed_at = now
+            return True
         return not self._sizes or now + job.size * self._seconds / self._sizes <= job.deadline
 
     def _start(self, job: _Job[Any]) -> None:
@@ -230,6 +239,8 @@ class TokenizePool:
     def _learn(self, size: int, seconds: float, now: float) -> None:
         # A ratio of sums, not a mean of ratios: a small call slowed by a pause weighs little.
         if size >= SPEED_MIN_SIZE:
+            if now - self._learned_at > SPEED_STALE_S:  # a new measure replaces a stale speed
+                self._seconds = self._sizes = 0.0
             self._learned_at = now
             self._seconds = self._seconds * (1 - SPEED_WEIGHT) + seconds
             self._sizes = self._sizes * (1 - SPEED_WEIGHT) + size

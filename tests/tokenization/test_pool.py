@@ -214,3 +214,24 @@ async def test_a_speed_learned_while_cores_were_short_is_measured_again(
         await asyncio.sleep(0.4)
         assert await pool.run(lambda: 2, size=100_000, opening=one_off(2)) == 2  # tried: fast now
         assert await pool.run(lambda: 3, size=100_000, opening=one_off(3)) == 3  # and known to be
+
+
+async def test_a_stale_speed_is_measured_by_one_prompt_not_every_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once stale, the first long prompt is tried whatever the speed says; those arriving while it
+    runs are still judged by the old speed, so one-off prompts on busy cores are not all tokenized."""
+    monkeypatch.setattr(pool_module, "SPEED_STALE_S", 0.3)
+    pool = TokenizePool(threads=2, budget=1.0)  # a free thread for the second, were it tried
+    release = threading.Event()
+    try:
+        await pool.run(lambda: time.sleep(0.1), size=2000)  # ~50 us a character: 100,000 is too big
+        await asyncio.sleep(0.4)
+        tried = asyncio.create_task(pool.run(lambda: release.wait(5), size=100_000, opening=one_off(1)))
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        assert await pool.run(lambda: "second", size=100_000, opening=one_off(2)) is None
+        assert time.monotonic() - started < 0.5  # turned away at once: the first one measures
+        release.set()
+        assert await tried is True
+    finally:
+        release.set()
+        pool.close()
