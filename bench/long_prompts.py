@@ -18,11 +18,12 @@ the small one, so no cache of whole bodies can help. Measured, per `serve` varia
   library's own ``encode_batch`` on the same texts in this process (all cores);
 - **no stall**: the small requests' p99 from the load client at 16 streams (the issue's setup),
   alone and while another client (a process of its own) streams unique ~32k-token chats one after
-  another, alternating 3 times, each side's latencies pooled; and, stricter, the same with the
+  another, alternating 5 times, each side's latencies pooled; and, stricter, the same with the
   small requests sent one at a time (once);
 - **next turn**: one stream, once serve has nothing left to tokenize; p50 of a conversation's next
   turn (same ~8k history, a new last message) against p50 of cold ~8k prompts, each with the share
-  tokenized in time, and a 64-byte chat's p50: the round trip both pay;
+  tokenized in time, and a 64-byte chat's p50: the round trip both pay. The three kinds go in
+  alternating blocks, each kind pooled; serve's own mean decision time per kind is given too;
 - **event loop**: `serve`'s own ``extproc_event_loop_lag_seconds``: the 10 ms timer ticks more
   than 5 ms late over the whole run, and the largest bucket reached; also per measure, with the
   first small one (no tokenizing at all) as the control for what the machine alone costs; the
@@ -92,9 +93,11 @@ STALL_SAMPLES = 1000
 #: Unique ~32k-token bodies prepared for the stall measure (it sends fewer: see "valid").
 LONG_BODIES = 400
 #: Alternations of the 16-stream stall measure (alone, then beside the 32k prompts).
-STALL_ROUNDS = 3
-#: Next turns and cold prompts for the next-turn ratio, one stream: p50s of this many each.
-NEXT_TURN_SAMPLES = 200
+STALL_ROUNDS = 5
+#: Next turns and cold prompts for the next-turn ratio, one stream: p50s of this many each, sent
+#: in NEXT_TURN_ROUNDS blocks of each kind in turn.
+NEXT_TURN_SAMPLES = 240
+NEXT_TURN_ROUNDS = 6
 VARIANTS = {
     "inline": ["--tokenize-threads", "0"],
     "threads": [],
@@ -300,6 +303,15 @@ async def learned(admin_port: int, limit: float = LEARN_LIMIT_S) -> float:
             break
         await asyncio.sleep(0.05)
     return time.perf_counter() - started
+
+
+async def decision_totals(admin_port: int) -> tuple[float, float]:
+    """serve's ``extproc_decision_duration_seconds``: its sum and count so far."""
+    values = await metric_values(admin_port, "extproc_decision_duration_seconds_")
+    return (
+        values.get("extproc_decision_duration_seconds_sum", 0.0),
+        values.get("extproc_decision_duration_seconds_count", 0.0),
+    )
 
 
 async def with_loop_lag(admin_port: int, measure: Awaitable[dict[str, Any]]) -> dict[str, Any]:
@@ -571,21 +583,40 @@ async def measure_variant(
         turns_left = iter(turn_bodies)
         cold_bodies = iter([cold_body(texts, 8_000) for _ in range(NEXT_TURN_SAMPLES)])
         await learned(admin_port)  # the 32k prompts' late ones: one stream means a quiet serve
+        # Next turns, cold prompts and small ones in alternating blocks, each kind's latencies
+        # pooled: the machine's speed drifts by 20% within seconds here, and one block of each in
+        # turn would put that drift in the ratio.
+        kinds: dict[str, Callable[[], Awaitable[str]]] = {
+            "next_turn": lambda: send(next(turns_left)),
+            "cold": lambda: send(next(cold_bodies)),
+            "small": lambda: send(small),
+        }
+        pooled: dict[str, list[float]] = {kind: [] for kind in kinds}
+        shares: dict[str, list[float]] = {kind: [] for kind in kinds}
+        serve_s: dict[str, list[float]] = {kind: [0.0, 0.0] for kind in kinds}
+        block = NEXT_TURN_SAMPLES // NEXT_TURN_ROUNDS
         async with profiler.around("next_turn"):
-            next_turns = await precise_share(
-                admin_port, timed(lambda: send(next(turns_left)), NEXT_TURN_SAMPLES)
-            )
-            colds = await precise_share(admin_port, timed(lambda: send(next(cold_bodies)), NEXT_TURN_SAMPLES))
+            for _ in range(NEXT_TURN_ROUNDS):
+                for kind, call in kinds.items():
+                    before = await decision_totals(admin_port)
+                    measured = await precise_share(admin_port, timed(call, block))
+                    after = await decision_totals(admin_port)
+                    pooled[kind] += measured["latencies"]
+                    shares[kind].append(measured["precise_share"])
+                    totals = serve_s[kind]
+                    serve_s[kind] = [totals[0] + after[0] - before[0], totals[1] + after[1] - before[1]]
+        out["next_turn"] = {
+            "p50_next_turn_ms": p(pooled["next_turn"], 0.5) * 1e3,
+            "p50_cold_ms": p(pooled["cold"], 0.5) * 1e3,
             # The floor under both: a round trip with nothing to tokenize (the client's and gRPC's
             # costs, which a next turn pays as much as a cold prompt).
-            smalls = await latencies(lambda: send(small), NEXT_TURN_SAMPLES)
-        out["next_turn"] = {
-            "p50_next_turn_ms": p(next_turns["latencies"], 0.5) * 1e3,
-            "p50_cold_ms": p(colds["latencies"], 0.5) * 1e3,
-            "p50_small_ms": p(smalls, 0.5) * 1e3,
+            "p50_small_ms": p(pooled["small"], 0.5) * 1e3,
             # A cold prompt routed without its tokens costs less than one tokenized: the ratio
             # means what it says only when both shares are 1.
-            "precise_share_next_turn_cold": [next_turns["precise_share"], colds["precise_share"]],
+            "precise_share_next_turn_cold": [statistics.fmean(shares[k]) for k in ("next_turn", "cold")],
+            # serve's own time from a body's end to its answer (extproc_decision_duration_seconds),
+            # mean ms: the cost without the load client's and gRPC's round trip.
+            "serve_mean_ms": {k: s / n * 1e3 if n else float("nan") for k, (s, n) in serve_s.items()},
         }
     return out
 
@@ -737,6 +768,13 @@ def report(results: dict[str, Any]) -> str:
                 + f"{v['next_turn'].get('p50_small_ms', float('nan')):.1f} ("
                 + " / ".join(f"{x:.0%}" for x in v["next_turn"].get("precise_share_next_turn_cold", []))
                 + ")"
+            ),
+        ),
+        (
+            "  serve's own mean decision ms (body end to answer): next turn / cold / 64-byte chat",
+            lambda v: " / ".join(
+                f"{v['next_turn'].get('serve_mean_ms', {}).get(k, float('nan')):.2f}"
+                for k in ("next_turn", "cold", "small")
             ),
         ),
         (

@@ -152,7 +152,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--approx-prefix-max-blocks",
         type=int,
         default=200_000,
-        help="prompt chunks remembered for models routed without tokenizer or KV events (200000)",
+        help="prompt chunks remembered, at most, for models routed without tokenizer or KV events; each "
+        "is kept at least until half that many others are recorded after it (200000)",
     )
     g.add_argument(
         "--tokenize-threads",

@@ -11,7 +11,6 @@ why the entries are bounded (LRU) and precise mode always wins when available.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from extproc.types import EndpointAddress
@@ -40,21 +39,32 @@ def text_keys(text: str, *, namespace: str, max_blocks: int, cache_salt: str | N
 
 
 class ApproxPrefixIndex:
-    """Chunk key -> endpoints we sent it to, bounded to ``max_entries`` keys (least recent out)."""
+    """Chunk key -> endpoints we sent it to, bounded to ``max_entries`` keys.
+
+    Bounded in two generations rather than by an exact LRU order: keys recorded go to the young
+    generation (a key recorded again moves there from the old one); when the young one holds half
+    the bound it becomes the old one, and the old one is dropped. A key therefore lives at least
+    ``max_entries // 2`` newer records and the index never holds more than ``max_entries``. An
+    ordered dict kept the exact order at ~0.7 µs a key (its reordering and one eviction per new
+    key), 0.35 ms of the event loop for a long prompt's 512 chunks; two plain dicts take a third.
+    """
 
     def __init__(self, *, max_entries: int = 200_000, max_blocks_per_request: int = 512) -> None:
         if max_entries < 1 or max_blocks_per_request < 1:
             raise ValueError("approximate prefix index bounds must be >= 1")
         self.max_entries = max_entries
         self.max_blocks_per_request = max_blocks_per_request
-        self._holders: OrderedDict[int, frozenset[EndpointAddress]] = OrderedDict()
+        #: Keys a generation holds before it grows old (the old one then goes).
+        self._generation = max(1, max_entries // 2)
+        self._young: dict[int, frozenset[EndpointAddress]] = {}
+        self._old: dict[int, frozenset[EndpointAddress]] = {}
         #: One instance of each holder set, shared by every key it holds. Without it each key had a
         #: set of its own: ~216 bytes, and an object the cyclic collector walks on every full
         #: collection (200,000 of them once the index is full).
         self._shared: dict[frozenset[EndpointAddress], frozenset[EndpointAddress]] = {}
 
     def __len__(self) -> int:
-        return len(self._holders)
+        return len(self._young) + len(self._old)
 
     def keys(self, text: str, namespace: str, cache_salt: str | None = None) -> list[int]:
         """Chunk keys of ``text`` in a model's namespace; a salted prompt only meets its own salt."""
@@ -67,9 +77,9 @@ class ApproxPrefixIndex:
         remaining = set(endpoints)
         blocks: dict[EndpointAddress, int] = {}
         depth = 0
-        get = self._holders.get
+        young, old = self._young.get, self._old.get
         for key in keys:
-            holders = get(key)
+            holders = young(key) or old(key)
             if not holders:
                 break
             # Usually every endpoint still in was sent this chunk too: one subset test, no new sets.
@@ -87,29 +97,31 @@ class ApproxPrefixIndex:
 
     def record(self, keys: Sequence[int], endpoint: EndpointAddress) -> None:
         """Remember that these chunks went to ``endpoint``."""
-        holders = self._holders
         alone = self._share(frozenset((endpoint,)))
+        young = self._young
         for key in keys:
-            current = holders.get(key)
-            if current is None:
-                holders[key] = alone
+            current = young.get(key) or self._old.pop(key, None)
+            if current is None or current is alone:
+                young[key] = alone
+            elif endpoint in current:
+                young[key] = current
             else:
-                if endpoint not in current:
-                    holders[key] = self._share(current | alone)
-                holders.move_to_end(key)
-        while len(holders) > self.max_entries:
-            holders.popitem(last=False)
+                young[key] = self._share(current | alone)
+            if len(young) >= self._generation:
+                self._old, self._young = young, {}
+                young = self._young
 
     def forget(self, keep: Iterable[EndpointAddress]) -> None:
         """Drop endpoints not in ``keep`` (they left the catalog)."""
         alive = frozenset(keep)
         self._shared.clear()
-        for key in list(self._holders):
-            holders = self._holders[key] & alive
-            if holders:
-                self._holders[key] = self._share(holders)
-            else:
-                del self._holders[key]
+        for generation in (self._young, self._old):
+            for key, holders in list(generation.items()):
+                kept = holders & alive
+                if kept:
+                    generation[key] = self._share(kept)
+                else:
+                    del generation[key]
 
     def _share(self, holders: frozenset[EndpointAddress]) -> frozenset[EndpointAddress]:
         """The shared instance equal to ``holders``. Endpoints are few and a chunk is usually sent to

@@ -98,23 +98,34 @@ def test_keys_are_capped_per_request() -> None:
     assert index.match(index.keys(TEXT, MODEL), [A]) == {A: 3 * TOKENS_PER_BLOCK}
 
 
-def test_record_is_bounded_least_recently_recorded_first() -> None:
-    """Past ``max_entries`` the chunks recorded least recently go; recording again refreshes a chunk."""
-    index = ApproxPrefixIndex(max_entries=3)
+def test_record_is_bounded_in_two_generations() -> None:
+    """Keys not recorded again within two generations (``max_entries // 2`` keys each) go; recording
+    a key again keeps it; the index never holds more than ``max_entries``."""
+    index = ApproxPrefixIndex(max_entries=4)
     keys = index.keys(TEXT, MODEL)
     index.record(keys[0:1], A)
-    index.record(keys[1:2], A)
-    index.record(keys[2:3], A)
-    index.record(keys[0:1], B)  # refreshes keys[0] (and adds B to it)
-    index.record(keys[3:4], A)  # evicts keys[1], the least recently recorded
-    assert len(index) == 3
+    index.record(keys[1:2], A)  # the first generation is full: it grows old
+    index.record(keys[0:1], B)  # keys[0] recorded again: young again (and sent to B too)
+    index.record(keys[2:3], A)  # the second is full: the first goes, with keys[1] only
+    assert len(index) == 2
     assert index.match(keys[0:1], [A, B]) == {A: TOKENS_PER_BLOCK, B: TOKENS_PER_BLOCK}
     assert index.match(keys[1:2], [A]) == {A: 0}
     assert index.match(keys[2:3], [A]) == {A: TOKENS_PER_BLOCK}
+    index.record(keys[3:4], A)
     assert index.match(keys[3:4], [A]) == {A: TOKENS_PER_BLOCK}
     for i in range(50):
         index.record(index.keys(f"{i:04d}".ljust(4 * CHARS_PER_BLOCK, "."), MODEL), C)
-    assert len(index) == 3
+        assert len(index) <= 4
+
+
+def test_a_long_prompt_spans_generations() -> None:
+    """A prompt with more chunks than a generation holds still matches whole right after it is
+    recorded: its first chunks are in the old generation, the rest in the young one."""
+    index = ApproxPrefixIndex(max_entries=6)
+    keys = index.keys(TEXT, MODEL)[:5]
+    index.record(keys, A)
+    assert len(index) == 5
+    assert index.match(keys, [A, B]) == {A: 5 * TOKENS_PER_BLOCK, B: 0}
 
 
 def test_a_full_index_holds_no_set_per_key() -> None:
@@ -122,7 +133,7 @@ def test_a_full_index_holds_no_set_per_key() -> None:
     little more (~140 bytes a key, where a set each cost ~360), and adds nothing per key for the
     cyclic collector to walk on every full collection (a stall of the event loop)."""
     rng = random.Random(1)
-    index = ApproxPrefixIndex(max_entries=50_000)
+    index = ApproxPrefixIndex(max_entries=100_000)
     gc.collect()
     objects = len(gc.get_objects())
     tracemalloc.start()
@@ -134,7 +145,7 @@ def test_a_full_index_holds_no_set_per_key() -> None:
         used, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert len(index) == 50_000
+    assert len(index) == 50_000  # the young generation has just grown old
     assert len(gc.get_objects()) - objects < 100
     assert used / len(index) < 200
     # Sharing changes nothing a match sees.
