@@ -44,7 +44,11 @@ from long_prompts import (
     Texts,
     cold_body,
     ensure,
+    gc_summary,
+    lag_summary,
     learned,
+    loop_lag,
+    metric_values,
     p,
     start_serve,
 )
@@ -108,9 +112,16 @@ class Burner:
 
 
 async def measured_run(
-    send_small: Any, seconds: float, serve_pid: int, beside: LongPromptClient | Burner | None
+    send_small: Any,
+    seconds: float,
+    serve_pid: int,
+    admin_port: int,
+    beside: LongPromptClient | Burner | None,
 ) -> dict[str, Any]:
-    """One closed-loop run of small requests, with each party's cores over it."""
+    """One closed-loop run of small requests, with each party's cores over it, and serve's loop lag
+    and full collections."""
+    lag0 = await loop_lag(admin_port)
+    gc0 = gc_summary(await metric_values(admin_port, "extproc_gc_pause_seconds"))
     threads0, stolen0, t0 = thread_cpu_seconds(serve_pid), machine_stolen_seconds(), time.monotonic()
     if isinstance(beside, Burner):
         pids = beside.pids()
@@ -127,7 +138,12 @@ async def measured_run(
     cores["burner_idle"] = sum(v for k, v in run["cpu"].items() if k.startswith("burner_idle"))
     cores["machine"] = run["cpu"]["machine"]
     cores["stolen"] = (machine_stolen_seconds() - stolen0) / elapsed
+    lag = lag_summary(lag0, await loop_lag(admin_port))
+    gc1 = gc_summary(await metric_values(admin_port, "extproc_gc_pause_seconds"))
     return {
+        # The loop's 10 ms timer ticks over 5 ms late: each one delays every request in flight.
+        "loop_late_ticks": lag["over_5ms"],
+        "full_gcs": gc1["full"] - gc0["full"],
         "per_s": run["per_s"],
         "p50_ms": p(latencies, 0.5) * 1e3,
         "p99_ms": p(latencies, 0.99) * 1e3,
@@ -161,7 +177,7 @@ async def measure(
         for i in range(rounds):
             await learned(admin_port)
             async with profiler.around(f"alone-{i + 1}"):
-                runs["alone"].append(await measured_run(send_small, seconds, serve_pid, None))
+                runs["alone"].append(await measured_run(send_small, seconds, serve_pid, admin_port, None))
             long_bodies = [
                 cold_body(texts, 32_000).replace(MODEL.encode(), LONG_MODEL, 1)
                 for _ in range(long_bodies_per_round)
@@ -171,12 +187,16 @@ async def measure(
             ) as long_client:
                 await asyncio.sleep(0.5)
                 async with profiler.around(f"beside-{i + 1}"):
-                    runs["beside"].append(await measured_run(send_small, seconds, serve_pid, long_client))
+                    runs["beside"].append(
+                        await measured_run(send_small, seconds, serve_pid, admin_port, long_client)
+                    )
             await learned(admin_port)  # the long prompts left to tokenize, late
             async with Burner(BURNER_SHARE) as burner:
                 await asyncio.sleep(0.5)
                 async with profiler.around(f"burner-{i + 1}"):
-                    runs["burner"].append(await measured_run(send_small, seconds, serve_pid, burner))
+                    runs["burner"].append(
+                        await measured_run(send_small, seconds, serve_pid, admin_port, burner)
+                    )
     pooled = {side: [x for r in runs[side] for x in r.pop("latencies")] for side in SIDES}
     return {
         "rounds": runs,
@@ -239,9 +259,10 @@ def report(results: dict[str, Any]) -> str:
         *([] if results["valid"] else ["INVALID: the long-prompt client ran out of bodies.", ""]),
         "Cores each party used (CPU-seconds per second):",
         "",
-        "| run | small/s | p50 ms | p99 ms | 32k sent | serve loop | serve idle-class | serve other "
+        "| run | small/s | p50 ms | p99 ms | loop > 5 ms late | full GCs | 32k sent | serve loop "
+        "| serve idle-class | serve other "
         "| this client | long client | burner normal | burner idle | machine | stolen |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     keys = (
         *("serve_main", "serve_idle_class", "serve_other", "bench", "long_client"),
@@ -253,14 +274,15 @@ def report(results: dict[str, Any]) -> str:
             cells = " | ".join(f"{r['cores'][k]:.2f}" for k in keys)
             lines.append(
                 f"| {i + 1} {side} | {r['per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} "
-                f"| {r['long_sent']} | {cells} |"
+                f"| {r.get('loop_late_ticks', 0):.0f} | {r.get('full_gcs', 0):.0f} | {r['long_sent']} "
+                f"| {cells} |"
             )
     loop_ms: dict[str, float] = {}
     for side in SIDES:
         mean = {k: statistics.fmean(r["cores"][k] for r in rounds[side]) for k in keys}
         per_s = statistics.fmean(r["per_s"] for r in rounds[side])
         lines.append(
-            f"| mean {side} | {per_s:.0f} | | | | " + " | ".join(f"{mean[k]:.2f}" for k in keys) + " |"
+            f"| mean {side} | {per_s:.0f} | | | | | | " + " | ".join(f"{mean[k]:.2f}" for k in keys) + " |"
         )
         loop_ms[side] = mean["serve_main"] / per_s * 1e3
     lines += [

@@ -235,3 +235,47 @@ async def test_a_stale_speed_is_measured_by_one_prompt_not_every_one(monkeypatch
     finally:
         release.set()
         pool.close()
+
+
+async def test_a_call_in_two_steps_answers_with_the_second() -> None:
+    """``finish`` runs in the worker too, on the first step's result, and its result is the answer."""
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+
+    def finish(encoded: list[int]) -> int:
+        threads.append(threading.get_ident())
+        return sum(encoded)
+
+    with pool_and_release(budget=5.0) as (pool, _):
+        assert await pool.run(lambda: [1, 2, 3], finish=finish) == 6
+    assert threads and threads[0] != loop_thread
+
+
+async def test_nobody_waiting_for_a_one_off_its_second_step_is_skipped() -> None:
+    """A one-off prompt whose requester gave up while it was encoded skips the GIL-holding step (it
+    would teach nothing); a conversation's turn, whose opening recurs, still takes it, to teach the
+    segment tree."""
+    finished: list[str] = []
+    with pool_and_release(budget=0.05) as (pool, release):
+        first_turn = one_off(1)
+        for name, opening in (("one-off", first_turn), ("next turn", first_turn + b" and one more")):
+            answer = await pool.run(
+                lambda: release.wait(5), opening=opening, finish=lambda _, name=name: finished.append(name)
+            )
+            assert answer is None  # past its budget: routed without the ids
+            release.set()
+            await settle(pool)
+            release.clear()
+        assert finished == ["next turn"]
+        assert pool.completed == 2  # both were encoded: the speed is measured either way
+
+
+async def test_calls_in_two_steps_are_for_threads_only() -> None:
+    """A worker process runs its call whole: a second step there is a mistake, named at once."""
+    pool = TokenizePool(threads=1, budget=1.0)
+    pool.workers.in_processes = True  # as ProcessWorkers says
+    try:
+        with pytest.raises(ValueError, match="threads only"):
+            await pool.run(lambda: 1, finish=lambda x: x)
+    finally:
+        pool.close()
