@@ -27,7 +27,7 @@ import time
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from extproc.catalog.model import Catalog, Endpoint, Route
 from extproc.errors import BadRequest
@@ -189,12 +189,8 @@ class PrefixScorer:
                 self.counters.observe_hold(started, started_cpu)
             if isinstance(step, Tokenized):
                 return step
-            if step.finish is None:
-                done = await self.pool.run(step.call, size=step.size, opening=request.body)
-            else:
-                done = await self.pool.run(
-                    step.call, size=step.size, opening=request.body, finish=step.finish
-                )
+            call, size = step
+            done = await self.pool.run(call, size=size, opening=request.body)
             return done if done is not None else Tokenized(model, None)
         except Exception as exc:
             self._tokenize_failed(model, exc)
@@ -349,30 +345,20 @@ class PrefixScorer:
                 lower[address] = reach - held
 
 
-@dataclass(frozen=True, slots=True)
-class _PoolWork:
-    """What of tokenizing a prompt is left for the pool: ``call``, and ``finish`` on its result when
-    set (the GIL-holding step a worker skips when nobody can use it; see
-    :meth:`TokenizePool.run`); ``size``: the characters it tokenizes."""
-
-    call: Callable[[], Any]
-    size: int
-    finish: Callable[[Any], Tokenized] | None = None
-
-
 def _tokenize_here(
     model: str, tokenizer: ModelTokenizer, request: InferenceRequest, catalog: Catalog | None, route: Route
-) -> Tokenized | _PoolWork:
-    """What of tokenizing ``request`` runs on the loop: the result, or the work left for the pool."""
+) -> Tokenized | tuple[Callable[[], Tokenized], int]:
+    """What of tokenizing ``request`` runs on the loop: the result, or the call left for the pool
+    and its size (the characters it tokenizes; see :meth:`TokenizePool.run`)."""
     prompt = request.read_prompt()
     if prompt is None:
         return Tokenized(model, None)
     if not _renders_inline(prompt, request):
         keyed = (namespace_seed(model, request.cache_salt), _block_sizes(catalog, route))
-        return _PoolWork(lambda: _tokenize(model, tokenizer, prompt, keyed), len(request.body))
+        return (lambda: _tokenize(model, tokenizer, prompt, keyed)), len(request.body)
     plan = tokenizer.prompt_plan(prompt)
     if plan is None:
-        return _PoolWork(lambda: Tokenized(model, tokenizer.prompt_ids(prompt)), len(request.body))
+        return (lambda: Tokenized(model, tokenizer.prompt_ids(prompt))), len(request.body)
     if plan.new_chars < INLINE_PROMPT_CHARS:
         path = plan.finish(plan.encode(here=True))
         return Tokenized(model, path, path=path)
@@ -382,11 +368,11 @@ def _tokenize_here(
     # prompt on the loop.
     keyed = (namespace_seed(model, request.cache_salt), _block_sizes(catalog, route))
 
-    def remember_and_key(encoded: list[Sequence[int]]) -> Tokenized:
-        path = _keyed(plan.finish(encoded), keyed)
+    def encode_and_key() -> Tokenized:
+        path = _keyed(plan.finish(plan.encode()), keyed)
         return Tokenized(model, path, path=path)
 
-    return _PoolWork(plan.encode, plan.new_chars, remember_and_key)
+    return encode_and_key, plan.new_chars
 
 
 def _tokenize(

@@ -26,13 +26,6 @@ and a conversation's next turn is then not cold again; but only when its opening
 (:mod:`extproc.tokenize.openings`): a one-off prompt would teach nothing, and the cores it took
 slow every other decision. Late prompts give up their place in the queue to new ones.
 
-A call may come in two steps, ``call`` then ``finish(call())``, both in the worker thread: the
-first the costly part that releases the GIL (encoding), the second the Python that holds it
-(remembering the segments, hashing block keys). The second is skipped when nobody can use it: its
-requester stopped waiting and the prompt teaches nothing. A worker thread runs idle-class, and one
-preempted while it holds the GIL keeps the event loop waiting; a stale speed's probe beside one-off
-long prompts (see below) is mostly such a call.
-
 The workers' speed is learned from the calls they finish. With one-off late prompts skipped, it
 could go stale: learned while the cores were short, it would turn every long prompt away at once
 long after the cores came free, and nothing would measure it again. So once no call has taught it
@@ -48,7 +41,7 @@ import functools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, Generic, Literal, TypeVar
 
 from extproc.tokenize.openings import Openings
 from extproc.tokenize.workers import ProcessWorkers, ThreadWorkers
@@ -56,7 +49,6 @@ from extproc.tokenize.workers import ProcessWorkers, ThreadWorkers
 #: Why a prompt was routed without its token ids.
 Fallback = Literal["queue_full", "budget"]
 T = TypeVar("T")
-U = TypeVar("U")
 #: Weight of the newest call in the workers' speed (seconds per unit of size).
 SPEED_WEIGHT = 0.2
 #: Calls smaller than this teach nothing of the speed: their time is mostly fixed costs.
@@ -68,8 +60,7 @@ SPEED_STALE_S = 1.0
 
 @dataclass(eq=False, slots=True)
 class _Job(Generic[T]):
-    #: The call, or its first step when ``finish`` is set.
-    call: Callable[[], Any]
+    call: Callable[[], T]
     affinity: bytes
     #: The work's size (characters to tokenize); 0: unknown, always worth starting.
     size: int
@@ -81,17 +72,6 @@ class _Job(Generic[T]):
     learns: bool = True
     #: Tried to measure a stale speed: it fits whatever the speed says.
     probe: bool = False
-    #: The call's second step (see the module), run after ``call`` unless the job is abandoned.
-    finish: Callable[[Any], T] | None = None
-    #: Nobody can use the answer any more (read from the worker thread between the two steps).
-    abandoned: bool = False
-
-    def run_steps(self) -> T | None:
-        """In the worker: ``call``, then ``finish`` on its result unless abandoned meanwhile."""
-        first = self.call()
-        if self.finish is None:
-            return first  # type: ignore[no-any-return]  # a one-step call returns T
-        return None if self.abandoned else self.finish(first)
 
 
 class TokenizePool:
@@ -142,41 +122,17 @@ class TokenizePool:
         """Prompts being tokenized or waiting for a worker (late ones included)."""
         return self._running + len(self._waiting) + len(self._late)
 
-    @overload
     async def run(
-        self, call: Callable[[], T], affinity: bytes = ..., size: int = ..., opening: bytes = ...
-    ) -> T | None: ...
-
-    @overload
-    async def run(
-        self,
-        call: Callable[[], U],
-        affinity: bytes = ...,
-        size: int = ...,
-        opening: bytes = ...,
-        *,
-        finish: Callable[[U], T],
-    ) -> T | None: ...
-
-    async def run(
-        self,
-        call: Callable[[], Any],
-        affinity: bytes = b"",
-        size: int = 0,
-        opening: bytes = b"",
-        finish: Callable[[Any], Any] | None = None,
-    ) -> Any:
+        self, call: Callable[[], T], affinity: bytes = b"", size: int = 0, opening: bytes = b""
+    ) -> T | None:
         """``call()`` in a worker; None if the queue is full or it cannot be ready within the budget.
 
         Exceptions from ``call`` propagate to the awaiting request (its caller decides what a bad
         prompt means). ``affinity``: calls alike in it go to the same process, when in processes.
         ``size``: how much work the call is (characters), to judge whether it can still be ready.
         ``opening``: the request's body, whose opening decides whether the call runs late (empty:
-        unknown, it does). ``finish``: a second step, ``finish(call())`` is then the answer (threads
-        only; see the module).
+        unknown, it does).
         """
-        if finish is not None and self.in_processes:
-            raise ValueError("a call in two steps runs in threads only")
         if self.pending >= self.max_pending:
             if not self._late:
                 self.fallbacks["queue_full"] += 1
@@ -186,9 +142,7 @@ class TokenizePool:
         loop = asyncio.get_running_loop()
         now = loop.time()
         learns = not opening or self.openings.recurs(opening)
-        job: _Job[Any] = _Job(
-            call, affinity, size, now + self.budget, loop.create_future(), learns, finish=finish
-        )
+        job = _Job(call, affinity, size, now + self.budget, loop.create_future(), learns)
         if not self._fits(job, now):  # not even a free worker could make it: late at once
             job.answer.set_result(None)
             self._make_late(job)
@@ -204,8 +158,6 @@ class TokenizePool:
             if job in self._waiting:  # not started: late, so a new prompt may take its place
                 self._waiting.remove(job)
                 self._make_late(job)
-            else:  # running: its second step is worth it only if it teaches something
-                job.abandoned = not job.learns
         if answer is None:
             self.fallbacks["budget"] += 1
         return answer
@@ -262,8 +214,7 @@ class TokenizePool:
     def _start(self, job: _Job[Any]) -> None:
         self._running += 1
         try:
-            call = job.call if job.finish is None else job.run_steps
-            submitted = self.workers.submit(call, job.affinity)
+            submitted = self.workers.submit(job.call, job.affinity)
         except BaseException:
             self._running -= 1
             raise
