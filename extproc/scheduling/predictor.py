@@ -70,11 +70,12 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from extproc.catalog.model import Endpoint
 from extproc.scheduling.policy import Candidate, Ranking, RequestFacts
 from extproc.scheduling.profiles import Profile
+from extproc.types import WorkerSetKey
 
 #: Predictions within this fraction of the best remaining one are ties.
 TIE_RELATIVE = 0.05
@@ -82,9 +83,12 @@ TIE_RELATIVE = 0.05
 TIE_ABSOLUTE_S = 0.001
 
 
-@dataclass(frozen=True, slots=True)
-class Prediction:
-    """One candidate's predicted time to first token and what it came from."""
+class Prediction(NamedTuple):
+    """One candidate's predicted time to first token and what it came from.
+
+    A named tuple, not a frozen dataclass: one is made per candidate per decision, and a frozen
+    dataclass's ``__init__`` (``object.__setattr__`` per field) took 1.0 µs against 0.4.
+    """
 
     #: Predicted seconds from now to the first token.
     ttft_s: float
@@ -118,7 +122,11 @@ def predict(request: RequestFacts, candidate: Candidate, profile: Profile) -> Pr
     """Predict ``candidate``'s TTFT for ``request`` (formulas in the module docstring)."""
     p = profile
     prompt = request.prompt_tokens if request.prompt_tokens is not None else p.typical_prompt_tokens
-    cached = effective_cached_tokens(candidate.cached_tokens, candidate.lower_tier_tokens, p)
+    cached = (
+        effective_cached_tokens(candidate.cached_tokens, candidate.lower_tier_tokens, p)
+        if candidate.lower_tier_tokens
+        else max(0, candidate.cached_tokens)
+    )
     uncached = max(0, prompt - cached)
     signals = candidate.signals
     r0 = w0 = 0
@@ -175,6 +183,7 @@ class PredictedTTFT:
     name = "predicted-ttft"
 
     def __init__(self, profile_of: Callable[[Endpoint], Profile]) -> None:
+        #: An endpoint's profile: its worker set's, the same for every endpoint of the set.
         self.profile_of = profile_of
         #: Told each pick and its prediction (calibration matches them to the engines' TTFTs).
         self.on_pick: Callable[[Endpoint, Prediction], None] | None = None
@@ -198,7 +207,15 @@ class PredictedTTFT:
         self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random
     ) -> list[tuple[Prediction, Candidate]]:
         """Every candidate with its prediction, best first: open ones by cost, then saturated ones."""
-        scored = [(predict(request, c, self.profile_of(c.endpoint)), c) for c in candidates]
+        # A profile is a worker set's (configured, then calibrated): looked up once per set, not
+        # once per endpoint, which in a pool of 64 was a fifth of the decision.
+        profiles: dict[WorkerSetKey, Profile] = {}
+        scored = []
+        for c in candidates:
+            profile = profiles.get(c.endpoint.worker_set)
+            if profile is None:
+                profile = profiles[c.endpoint.worker_set] = self.profile_of(c.endpoint)
+            scored.append((predict(request, c, profile), c))
         open_ = sorted((s for s in scored if not s[0].saturated), key=lambda s: s[0].cost_s)
         full = sorted((s for s in scored if s[0].saturated), key=lambda s: s[0].cost_s)
         return _shuffle_ties(open_, rng) + _shuffle_ties(full, rng)
