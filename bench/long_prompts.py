@@ -62,6 +62,7 @@ import aiohttp
 import grpc
 import orjson
 import tokenizers
+from envoy_timing import TimedGateway
 from grpc_load import StreamError, chat_body, closed_loop, one_stream, request_messages
 from machine import machine, provenance, record
 from stack import ServeProcess
@@ -621,6 +622,46 @@ async def measure_variant(
     return out
 
 
+async def next_turn_through_envoy(gateway: TimedGateway, texts: Texts, admin_port: int) -> dict[str, Any]:
+    """The next-turn measure again, through real Envoy and timed by it (``bench/envoy_timing.py``):
+    p50 of its ext_proc call for the request headers, which in FULL_DUPLEX_STREAMED is the routing
+    decision as the request pays for it, with Envoy (C++) as serve's client instead of the Python
+    load client. The same three kinds in the same alternating blocks, one request at a time."""
+    conversation = Conversation(texts, 8_000)
+    warm = [conversation.body() for _ in range(WARM_TURNS)]
+    turns = iter([conversation.body() for _ in range(NEXT_TURN_SAMPLES)])
+    colds = iter([cold_body(texts, 8_000) for _ in range(NEXT_TURN_SAMPLES)])
+    small = chat_body(MODEL)
+    kinds: dict[str, Callable[[], bytes]] = {
+        "next_turn": lambda: next(turns),
+        "cold": lambda: next(colds),
+        "small": lambda: small,
+    }
+    block = NEXT_TURN_SAMPLES // NEXT_TURN_ROUNDS
+
+    async def measure() -> dict[str, Any]:
+        async with gateway:
+            for body in warm:  # the history, tokenized once (as the gRPC measure's first turn)
+                await gateway.post("warm", body)
+            await learned(admin_port)
+            for _ in range(NEXT_TURN_ROUNDS):
+                for kind, body_of in kinds.items():
+                    for _ in range(block):
+                        await gateway.post(kind, body_of())
+        return {}
+
+    out = await precise_share(admin_port, measure())
+    decisions: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for timing in gateway.timings():
+        if timing.kind in decisions:
+            decisions[timing.kind].append(timing.decision_us / 1e3)
+    for kind, values in decisions.items():
+        out[f"p50_{kind}_ms"] = p(values, 0.5) if values else float("nan")
+        out[f"p50_{kind}_round_trip_ms"] = p(gateway.round_trips[kind], 0.5) * 1e3
+    out["logged"] = {kind: len(values) for kind, values in decisions.items()}
+    return out
+
+
 def ratios(r: dict[str, Any]) -> dict[str, float]:
     return {
         "conversations_8k": r["conversations_8k"]["per_s"] / r["conversations_8k"]["small_per_s"],
@@ -630,6 +671,7 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
         "stall_one_stream": r["stall_one_stream"]["p99_beside_32k_ms"]
         / r["stall_one_stream"]["p99_alone_ms"],
         "next_turn": r["next_turn"]["p50_next_turn_ms"] / r["next_turn"]["p50_cold_ms"],
+        "next_turn_envoy": r["next_turn_envoy"]["p50_next_turn_ms"] / r["next_turn_envoy"]["p50_cold_ms"],
     }
 
 
@@ -642,6 +684,7 @@ async def run(
     if serve_args:
         results["serve_args"] = list(serve_args)
     with tempfile.TemporaryDirectory(prefix="extproc-long-") as tmp:
+        endpoints = write_catalog(Path(tmp))
         for variant in variants:
             serve = await start_serve(Path(tmp), variant, serve_args)
             admin_port = serve.admin_port
@@ -656,6 +699,11 @@ async def run(
                     backend,
                     Profiler(profile, variant, serve.proc.pid),
                 )
+                measured["next_turn_envoy"] = await next_turn_through_envoy(
+                    TimedGateway(Path(tmp), serve.grpc_port, endpoints, free_port(), free_port()),
+                    texts,
+                    admin_port,
+                )
                 measured["fallbacks"] = await metric_values(admin_port, "extproc_tokenize_fallbacks_total")
                 measured["loop_lag"] = lag_summary(before, await loop_lag(admin_port))
                 measured["gc"] = gc_summary(await metric_values(admin_port, "extproc_gc_pause_seconds"))
@@ -667,14 +715,23 @@ async def run(
     return results
 
 
+def write_catalog(tmp: Path) -> list[str]:
+    """The catalog every variant's serve reads (``tmp/catalog.yaml``): 8 endpoints that declare KV
+    events, on free loopback ports; returns their ``host:port``."""
+    endpoints = [f"127.0.0.{i}:{free_port()}" for i in range(1, 9)]
+    kv_ports = {e: (free_port(), free_port()) for e in endpoints}
+    (tmp / "catalog.yaml").write_text(
+        catalog_yaml([LocalWorkerSet("bench", MODEL, endpoints, kv_ports=kv_ports)])
+    )
+    return endpoints
+
+
 async def start_serve(tmp: Path, variant: str, serve_args: tuple[str, ...] = ()) -> ServeProcess:
-    """serve in ``variant``, over 8 endpoints that declare KV events, with the real Llama 3
-    tokenizer; its catalog and log (serve-VARIANT.log) in ``tmp``."""
+    """serve in ``variant`` on ``tmp/catalog.yaml`` (:func:`write_catalog`, made if absent), with the
+    real Llama 3 tokenizer; its log (serve-VARIANT.log) in ``tmp``."""
     catalog = tmp / "catalog.yaml"
     if not catalog.exists():
-        endpoints = [f"127.0.0.{i}:{free_port()}" for i in range(1, 9)]
-        kv_ports = {e: (free_port(), free_port()) for e in endpoints}
-        catalog.write_text(catalog_yaml([LocalWorkerSet("bench", MODEL, endpoints, kv_ports=kv_ports)]))
+        write_catalog(tmp)
     with open(tmp / f"serve-{variant}.log", "wb") as log:  # noqa: ASYNC230 (local, instant)
         serve = ServeProcess(
             catalog,
@@ -707,6 +764,7 @@ def report(results: dict[str, Any]) -> str:
         "stall": "small p99 beside 32k prompts, x alone (16 streams, the issue's setup)",
         "stall_one_stream": "the same, small requests one at a time (stricter; no target)",
         "next_turn": "next turn p50, share of a cold prompt",
+        "next_turn_envoy": "the same timed by real Envoy (its ext_proc call for the decision; no target)",
     }
     for key, label in labels.items():
         target = (
@@ -776,6 +834,15 @@ def report(results: dict[str, Any]) -> str:
                 f"{v['next_turn'].get('serve_mean_ms', {}).get(k, float('nan')):.2f}"
                 for k in ("next_turn", "cold", "small")
             ),
+        ),
+        (
+            "through Envoy, its ext_proc decision call p50 ms: next turn / cold / 64-byte chat "
+            "(tokenized in time)",
+            lambda v: envoy_cell(v.get("next_turn_envoy"), ""),
+        ),
+        (
+            "  the same requests' HTTP round trip p50 ms (client, Envoy, fake engine)",
+            lambda v: envoy_cell(v.get("next_turn_envoy"), "_round_trip"),
         ),
         (
             "loop ticks > 5 ms late (of all), worst bucket",
@@ -849,6 +916,13 @@ def report(results: dict[str, Any]) -> str:
             "speed changed during the run and the ratios built on it are unreliable.",
         ]
     return "\n".join(lines) + "\n"
+
+
+def envoy_cell(measured: dict[str, Any] | None, suffix: str) -> str:
+    if measured is None:
+        return "not measured"
+    cell = " / ".join(f"{measured[f'p50_{k}{suffix}_ms']:.2f}" for k in ("next_turn", "cold", "small"))
+    return cell + ("" if suffix else f" ({measured['precise_share']:.0%})")
 
 
 def stall_cell(stall: dict[str, Any]) -> str:
