@@ -24,6 +24,12 @@ the small one, so no cache of whole bodies can help. Measured, per `serve` varia
   turn (same ~8k history, a new last message) against p50 of cold ~8k prompts, each with the share
   tokenized in time, and a 64-byte chat's p50: the round trip both pay. The three kinds go in
   alternating blocks, each kind pooled; serve's own mean decision time per kind is given too;
+- **next turn, through Envoy**: the same three kinds in the same blocks, sent over HTTP through the
+  shipped gateway (real Envoy, FULL_DUPLEX) to fake engines, timed by Envoy itself: p50 of its
+  ext_proc call for the request headers, which serve answers once the endpoint is picked
+  (``bench/envoy_timing.py``). Envoy (C++) is then serve's client, as in production, instead of
+  the Python load client, whose own share of a round trip is larger than serve's (no target of
+  its own: the issue's is taken with the load client);
 - **event loop**: `serve`'s own ``extproc_event_loop_lag_seconds``: the 10 ms timer ticks more
   than 5 ms late over the whole run, and the largest bucket reached; also per measure, with the
   first small one (no tokenizing at all) as the control for what the machine alone costs; the
