@@ -153,13 +153,16 @@ class PrefixScorer:
         """True when ``request``'s prompt should be tokenized off the loop before the decision.
 
         Short prompts are tokenized inline: handing one to a thread and back costs more than it.
+        Judged by the body's length, which bounds the prompt's (JSON spells every character in
+        at least one byte, a message in more than its role): the prompt's own text would take a
+        pass over every message to know (~0.15 ms a turn in a conversation of 600). A short prompt
+        in a long body (tools, images) is tokenized first too, which costs it nothing: what is
+        cheap still runs on the loop (:meth:`prompt_tokens`).
         """
         if self.pool is None:
             return False
-        text = request.prefix_text
         return (
-            text is not None
-            and len(text) >= INLINE_PROMPT_CHARS
+            len(request.body) >= INLINE_PROMPT_CHARS
             and self._tokenizer(route.upstream_model) is not None
             and any(e.kv_events_port is not None for e in route.endpoints)
         )
@@ -363,14 +366,14 @@ def _tokenize_here(
         path = plan.finish(plan.encode(here=True))
         return Tokenized(model, path, path=path)
     # Remembered in the worker too: a prompt past its budget still teaches the tree, so the
-    # conversation's next turn is not cold again. The block keys too are computed there and
-    # remembered on the segments: the decision then finds them instead of hashing a long new
-    # prompt on the loop.
+    # conversation's next turn is not cold again. The block keys too are computed there, remembered
+    # on the segments and handed over: the decision then neither hashes a long new prompt nor
+    # walks the path again on the loop.
     keyed = (namespace_seed(model, request.cache_salt), _block_sizes(catalog, route))
 
     def encode_and_key() -> Tokenized:
-        path = _keyed(plan.finish(plan.encode()), keyed)
-        return Tokenized(model, path, path=path)
+        path = plan.finish(plan.encode())
+        return Tokenized(model, path, _keyed(path, keyed), path=path)
 
     return encode_and_key, plan.new_chars
 
@@ -383,15 +386,16 @@ def _tokenize(
     plan = tokenizer.prompt_plan(prompt)
     if plan is None:
         return Tokenized(model, tokenizer.prompt_ids(prompt))
-    path = _keyed(plan.finish(plan.encode(here=plan.new_chars < INLINE_PROMPT_CHARS)), keyed)
-    return Tokenized(model, path, path=path)
+    path = plan.finish(plan.encode(here=plan.new_chars < INLINE_PROMPT_CHARS))
+    return Tokenized(model, path, _keyed(path, keyed), path=path)
 
 
-def _keyed(path: SegmentPath, keyed: tuple[int, tuple[int, ...]]) -> SegmentPath:
+def _keyed(path: SegmentPath, keyed: tuple[int, tuple[int, ...]]) -> dict[int, Sequence[int]]:
+    """The path's block keys for each of ``keyed``'s block sizes (under its seed), computed where
+    this runs (a worker) and remembered on the path's segments. Handed to the decision whole, so the
+    loop does not walk a long conversation's segments again to join them."""
     seed, block_sizes = keyed
-    for size in block_sizes:
-        path_block_keys(path, size, seed)  # remembered on the path's segments
-    return path
+    return {size: path_block_keys(path, size, seed) for size in block_sizes}
 
 
 def _renders_inline(prompt: Prompt, request: InferenceRequest) -> bool:

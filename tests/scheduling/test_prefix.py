@@ -24,7 +24,7 @@ from extproc.kvindex.follow import plan_sources
 from extproc.kvindex.index import PrefixIndex
 from extproc.kvindex.ingest import IndexIngest
 from extproc.kvindex.keys import block_keys, namespace_seed
-from extproc.openai import parse_request, read_request
+from extproc.openai import InferenceRequest, parse_request, read_request
 from extproc.scheduling.prefix import PrefixMatch, PrefixScorer, Tokenized
 from extproc.settings import TokenizerSpec
 from extproc.sim.kv_events import BlockStored
@@ -62,6 +62,11 @@ PROMPTS: list[tuple[str, dict[str, Any]]] = [
     (CHAT, {"messages": [{"role": "system", "content": LONG}, {"role": "user", "content": "Revenue?"}]}),
 ]
 PROMPT_IDS = ["completions", "chat"]
+
+
+def as_sent(path: str, payload: dict[str, Any]) -> InferenceRequest:
+    """The request as serve reads it, from its JSON body (whose length decides where it is tokenized)."""
+    return parse_request(orjson.dumps(payload), path=path)
 
 
 def worker_set(
@@ -465,8 +470,8 @@ async def test_tokens_computed_in_the_pool_match_as_inline_ones(path: str, paylo
         tokens = engine_tokens(path, payload)
         router.feed(KV1, tokens, 5)
         route = router.route(LLAMA)
-        request = read_request(path, {"model": LLAMA, **payload})
-        assert router.scorer.tokenizes_first(route, request) == (len(request.prefix_text or "") >= 4096)
+        request = as_sent(path, {"model": LLAMA, **payload})
+        assert router.scorer.tokenizes_first(route, request) == (len(request.body) >= 4096)
         tokenized = await router.scorer.prompt_tokens(route, request)
         assert tokenized == Tokenized(LLAMA, tokens)
         match = router.scorer.match(router.catalog, route, request, route.endpoints, tokenized)
@@ -537,11 +542,11 @@ async def test_without_a_tokenizer_or_kv_events_nothing_is_tokenized_first() -> 
     pool = TokenizePool(threads=1)
     router = Router(pool=pool)
     try:
-        long = read_request(COMPLETIONS, {"model": LLAMA, "prompt": LONG * 20})
-        short = read_request(COMPLETIONS, {"model": LLAMA, "prompt": "Hello"})
+        long = as_sent(COMPLETIONS, {"model": LLAMA, "prompt": LONG * 20})
+        short = as_sent(COMPLETIONS, {"model": LLAMA, "prompt": "Hello"})
         assert router.scorer.tokenizes_first(router.route(LLAMA), long)
         assert not router.scorer.tokenizes_first(router.route(LLAMA), short)  # cheaper inline
-        qwen = read_request(COMPLETIONS, {"model": QWEN, "prompt": LONG * 20})
+        qwen = as_sent(COMPLETIONS, {"model": QWEN, "prompt": LONG * 20})
         assert not router.scorer.tokenizes_first(router.route(QWEN), qwen)  # KV events, no tokenizer
         assert not Router().scorer.tokenizes_first(router.route(LLAMA), long)  # no pool: inline
     finally:
@@ -589,6 +594,32 @@ def tree_of(router: Router) -> SegmentCache:
     entry = router.scorer.tokenizers.get(LLAMA)
     assert entry is not None and entry.tokenizer.segment_cache is not None
     return entry.tokenizer.segment_cache
+
+
+async def test_a_long_prompts_block_keys_come_from_the_pool_with_its_ids() -> None:
+    """Keys for each block size the route's KV-event sets use are computed in the worker and handed
+    over whole (the loop does not walk the prompt's segments again); they credit the engines' blocks
+    as keys computed at match do."""
+    pool = TokenizePool(threads=1, budget=30.0)
+    router = Router(pool=pool, registry=with_segment_tree())
+    try:
+        payload = {"messages": [{"role": "system", "content": LONG * 20}, {"role": "user", "content": "Hi"}]}
+        tokens = engine_tokens(CHAT, payload)
+        router.feed(KV1, tokens, 7)
+        route = router.route(LLAMA)
+        request = as_sent(CHAT, {"model": LLAMA, **payload})
+        assert router.scorer.tokenizes_first(route, request)
+        tokenized = await router.scorer.prompt_tokens(route, request, router.catalog)
+        assert tokenized.path is not None  # walked the segment tree
+        seed = namespace_seed(LLAMA, None)
+        assert {size: list(keys) for size, keys in tokenized.keys.items()} == {
+            size: block_keys(tuple(tokens), size, seed) for size in (16, 32)
+        }
+        match = router.scorer.match(router.catalog, route, request, route.endpoints, tokenized)
+        assert (match.mode, match.cached_tokens[KV1]) == ("precise", 7 * 16)
+        assert match == router.match(LLAMA, CHAT, payload)  # tokenized inline, keyed at match
+    finally:
+        pool.close()
 
 
 async def test_a_prompt_past_its_budget_still_teaches_the_tree() -> None:
