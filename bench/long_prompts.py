@@ -312,13 +312,15 @@ async def learned(admin_port: int, limit: float = LEARN_LIMIT_S) -> float:
     return time.perf_counter() - started
 
 
-async def decision_totals(admin_port: int) -> tuple[float, float]:
-    """serve's ``extproc_decision_duration_seconds``: its sum and count so far."""
-    values = await metric_values(admin_port, "extproc_decision_duration_seconds_")
-    return (
-        values.get("extproc_decision_duration_seconds_sum", 0.0),
-        values.get("extproc_decision_duration_seconds_count", 0.0),
-    )
+#: serve's histograms whose mean per kind the next-turn measure reports: a decision's time from the
+#: body's end to the answer, and how long its tokenization held the loop (both in seconds).
+SERVE_CLOCKS = ("extproc_decision_duration_seconds", "extproc_tokenize_loop_seconds")
+
+
+async def serve_totals(admin_port: int) -> dict[str, tuple[float, float]]:
+    """Each of :data:`SERVE_CLOCKS`: its sum and count so far."""
+    values = await metric_values(admin_port, "extproc_")
+    return {name: (values.get(f"{name}_sum", 0.0), values.get(f"{name}_count", 0.0)) for name in SERVE_CLOCKS}
 
 
 async def with_loop_lag(admin_port: int, measure: Awaitable[dict[str, Any]]) -> dict[str, Any]:
@@ -600,18 +602,27 @@ async def measure_variant(
         }
         pooled: dict[str, list[float]] = {kind: [] for kind in kinds}
         shares: dict[str, list[float]] = {kind: [] for kind in kinds}
-        serve_s: dict[str, list[float]] = {kind: [0.0, 0.0] for kind in kinds}
+        # Per kind and clock: seconds and observations added while that kind was sent.
+        serve_s = {kind: {name: [0.0, 0.0] for name in SERVE_CLOCKS} for kind in kinds}
         block = NEXT_TURN_SAMPLES // NEXT_TURN_ROUNDS
         async with profiler.around("next_turn"):
             for _ in range(NEXT_TURN_ROUNDS):
                 for kind, call in kinds.items():
-                    before = await decision_totals(admin_port)
+                    before = await serve_totals(admin_port)
                     measured = await precise_share(admin_port, timed(call, block))
-                    after = await decision_totals(admin_port)
+                    after = await serve_totals(admin_port)
                     pooled[kind] += measured["latencies"]
                     shares[kind].append(measured["precise_share"])
-                    totals = serve_s[kind]
-                    serve_s[kind] = [totals[0] + after[0] - before[0], totals[1] + after[1] - before[1]]
+                    for name, totals in serve_s[kind].items():
+                        totals[0] += after[name][0] - before[name][0]
+                        totals[1] += after[name][1] - before[name][1]
+
+        def mean_ms(name: str) -> dict[str, float]:
+            return {
+                k: s / n * 1e3 if n else float("nan")
+                for k, (s, n) in ((k, v[name]) for k, v in serve_s.items())
+            }
+
         out["next_turn"] = {
             "p50_next_turn_ms": p(pooled["next_turn"], 0.5) * 1e3,
             "p50_cold_ms": p(pooled["cold"], 0.5) * 1e3,
@@ -623,7 +634,9 @@ async def measure_variant(
             "precise_share_next_turn_cold": [statistics.fmean(shares[k]) for k in ("next_turn", "cold")],
             # serve's own time from a body's end to its answer (extproc_decision_duration_seconds),
             # mean ms: the cost without the load client's and gRPC's round trip.
-            "serve_mean_ms": {k: s / n * 1e3 if n else float("nan") for k, (s, n) in serve_s.items()},
+            "serve_mean_ms": mean_ms("extproc_decision_duration_seconds"),
+            # Of that, how long tokenizing held serve's loop (extproc_tokenize_loop_seconds), mean ms.
+            "serve_tokenize_hold_mean_ms": mean_ms("extproc_tokenize_loop_seconds"),
         }
     return out
 
@@ -838,6 +851,13 @@ def report(results: dict[str, Any]) -> str:
             "  serve's own mean decision ms (body end to answer): next turn / cold / 64-byte chat",
             lambda v: " / ".join(
                 f"{v['next_turn'].get('serve_mean_ms', {}).get(k, float('nan')):.2f}"
+                for k in ("next_turn", "cold", "small")
+            ),
+        ),
+        (
+            "  of which tokenizing held serve's loop, mean ms: next turn / cold / 64-byte chat",
+            lambda v: " / ".join(
+                f"{v['next_turn'].get('serve_tokenize_hold_mean_ms', {}).get(k, float('nan')):.2f}"
                 for k in ("next_turn", "cold", "small")
             ),
         ),
