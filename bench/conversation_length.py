@@ -28,13 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from decision_scaling import catalog
+from decision_scaling import catalog, handle_stream
 from grpc_load import request_messages, response_headers_message
 from long_prompts import MODEL, Conversation, Texts
 from machine import machine, provenance, record
 
 from extproc.serve.app import Server
-from extproc.server.stream import Pending, RequestStream
 from extproc.settings import PrefixSettings, ServeSettings, SourceSettings, TokenizerSpec
 
 HERE = Path(__file__).resolve().parent
@@ -66,14 +65,7 @@ async def run() -> dict[str, Any]:
                 """Loop-thread CPU seconds and wall seconds of one request's stream."""
                 messages = [*request_messages(body), response_headers_message()]
                 started, started_cpu = time.perf_counter(), time.thread_time()
-                stream = RequestStream(
-                    server.scheduler, server.metrics, max_body_bytes=1 << 24, budget=server.budget
-                )
-                for message in messages:
-                    answer = stream.handle(message)
-                    if isinstance(answer, Pending):
-                        await answer.wait()
-                stream.close()
+                await handle_stream(server, messages)
                 return time.thread_time() - started_cpu, time.perf_counter() - started
 
             walked = 0

@@ -28,6 +28,7 @@ from grpc_load import chat_body, request_messages, response_headers_message
 from machine import machine, provenance, record
 
 from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
+from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.serve.app import Server
 from extproc.server.stream import Pending, RequestStream
 from extproc.settings import PrefixSettings, ServeSettings, SourceSettings, TokenizerSpec
@@ -53,28 +54,29 @@ def catalog(tmp: Path, endpoints: int, precise: bool) -> Path:
     return path
 
 
+async def handle_stream(server: Server, messages: list[ep.ProcessingRequest]) -> None:
+    """One request's ext_proc messages handled as serve's gRPC service does, without gRPC."""
+    stream = RequestStream(server.scheduler, server.metrics, max_body_bytes=1 << 24, budget=server.budget)
+    for message in messages:
+        answer = stream.handle(message)
+        if isinstance(answer, Pending):
+            await answer.wait()
+    stream.close()
+
+
 async def per_request_us(path: Path, precise: bool) -> float:
     prefix = PrefixSettings(tokenizers=(TokenizerSpec(MODEL, str(ensure("llama3"))),) if precise else ())
     server = Server(ServeSettings(source=SourceSettings.parse(f"file:{path}"), seed=1, prefix=prefix))
     assert isinstance(server.source, FileSource)
     server.store.publish(server.source.load())
     messages = [*request_messages(chat_body(MODEL)), response_headers_message()]
-
-    async def one() -> None:
-        stream = RequestStream(server.scheduler, server.metrics, max_body_bytes=1 << 24, budget=server.budget)
-        for message in messages:
-            answer = stream.handle(message)
-            if isinstance(answer, Pending):
-                await answer.wait()
-        stream.close()
-
     for _ in range(REQUESTS // 4):
-        await one()
+        await handle_stream(server, messages)
     best = float("inf")
     for _ in range(REPEATS):
         started = time.perf_counter()
         for _ in range(REQUESTS):
-            await one()
+            await handle_stream(server, messages)
         best = min(best, (time.perf_counter() - started) / REQUESTS * 1e6)
     return best
 
