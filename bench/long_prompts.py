@@ -585,20 +585,13 @@ async def measure_variant(
             "valid": all(r["long_sent"] < LONG_BODIES for r in rounds),
         }
 
-        conversation = Conversation(texts, 8_000)
-        turn_bodies = []
-        for _ in range(NEXT_TURN_SAMPLES):  # made outside the timing, as the cold ones below
-            turn_bodies.append(conversation.body())
-        turns_left = iter(turn_bodies)
-        cold_bodies = iter([cold_body(texts, 8_000) for _ in range(NEXT_TURN_SAMPLES)])
+        _, bodies_of = next_turn_bodies(texts, warm=0)
         await learned(admin_port)  # the 32k prompts' late ones: one stream means a quiet serve
         # Next turns, cold prompts and small ones in alternating blocks, each kind's latencies
         # pooled: the machine's speed drifts by 20% within seconds here, and one block of each in
         # turn would put that drift in the ratio.
         kinds: dict[str, Callable[[], Awaitable[str]]] = {
-            "next_turn": lambda: send(next(turns_left)),
-            "cold": lambda: send(next(cold_bodies)),
-            "small": lambda: send(small),
+            kind: (lambda body_of=body_of: send(body_of())) for kind, body_of in bodies_of.items()
         }
         pooled: dict[str, list[float]] = {kind: [] for kind in kinds}
         shares: dict[str, list[float]] = {kind: [] for kind in kinds}
@@ -641,21 +634,29 @@ async def measure_variant(
     return out
 
 
+def next_turn_bodies(texts: Texts, *, warm: int) -> tuple[list[bytes], dict[str, Callable[[], bytes]]]:
+    """The next-turn measure's bodies, all made before it: ``warm`` turns of one ~8k history, then,
+    per kind, what gives its next body (a next turn of that history, a cold ~8k prompt, the 64-byte
+    chat)."""
+    conversation = Conversation(texts, 8_000)
+    warm_bodies = [conversation.body() for _ in range(warm)]
+    turns = iter([conversation.body() for _ in range(NEXT_TURN_SAMPLES)])
+    colds = iter([cold_body(texts, 8_000) for _ in range(NEXT_TURN_SAMPLES)])
+    small = chat_body(MODEL)
+    bodies_of: dict[str, Callable[[], bytes]] = {
+        "next_turn": lambda: next(turns),
+        "cold": lambda: next(colds),
+        "small": lambda: small,
+    }
+    return warm_bodies, bodies_of
+
+
 async def next_turn_through_envoy(gateway: TimedGateway, texts: Texts, admin_port: int) -> dict[str, Any]:
     """The next-turn measure again, through real Envoy and timed by it (``bench/envoy_timing.py``):
     p50 of its ext_proc call for the request headers, which in FULL_DUPLEX_STREAMED is the routing
     decision as the request pays for it, with Envoy (C++) as serve's client instead of the Python
     load client. The same three kinds in the same alternating blocks, one request at a time."""
-    conversation = Conversation(texts, 8_000)
-    warm = [conversation.body() for _ in range(WARM_TURNS)]
-    turns = iter([conversation.body() for _ in range(NEXT_TURN_SAMPLES)])
-    colds = iter([cold_body(texts, 8_000) for _ in range(NEXT_TURN_SAMPLES)])
-    small = chat_body(MODEL)
-    kinds: dict[str, Callable[[], bytes]] = {
-        "next_turn": lambda: next(turns),
-        "cold": lambda: next(colds),
-        "small": lambda: small,
-    }
+    warm, kinds = next_turn_bodies(texts, warm=WARM_TURNS)
     block = NEXT_TURN_SAMPLES // NEXT_TURN_ROUNDS
 
     async def measure() -> dict[str, Any]:
