@@ -22,7 +22,7 @@ import timeit
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import orjson
@@ -81,12 +81,33 @@ class StreamError(Exception):
     """The server answered something Envoy would not have accepted for this exchange."""
 
 
+class Exchange(NamedTuple):
+    """One ext_proc stream as the load client saw it."""
+
+    #: The ``host:port`` the server picked.
+    destination: str
+    #: Seconds from opening the stream to reading the routing answer (the request-headers answer,
+    #: which FULL_DUPLEX_STREAMED gets once the body has ended): what the request waits for its
+    #: route, as Envoy times its own ext_proc call (``request_header_latency_us``).
+    decided_s: float
+    #: Seconds of the whole stream: the above, the body echoed back, the response-headers exchange
+    #: (which a real request has after its engine answers) and the close.
+    whole_s: float
+
+
 async def one_stream(stub: ep_grpc.ExternalProcessorStub, messages: list[ep.ProcessingRequest]) -> str:
     """Run one Envoy-like stream; return the destination the server picked."""
+    return (await exchange(stub, messages)).destination
+
+
+async def exchange(stub: ep_grpc.ExternalProcessorStub, messages: list[ep.ProcessingRequest]) -> Exchange:
+    """Run one Envoy-like stream, timed: see :class:`Exchange`."""
+    started = time.perf_counter()
     call = stub.Process()
     for message in messages:
         await call.write(message)
     destination = ""
+    decided = None
     body_done = False
     while not body_done:
         answer = await call.read()
@@ -94,6 +115,7 @@ async def one_stream(stub: ep_grpc.ExternalProcessorStub, messages: list[ep.Proc
             raise StreamError("server ended the stream before answering the body")
         kind = answer.WhichOneof("response")
         if kind == "request_headers":
+            decided = time.perf_counter()
             for option in answer.request_headers.response.header_mutation.set_headers:
                 if option.header.key == "x-gateway-destination-endpoint":
                     destination = option.header.raw_value.decode()
@@ -109,9 +131,9 @@ async def one_stream(stub: ep_grpc.ExternalProcessorStub, messages: list[ep.Proc
     # (serve, done too, waits for that close: see CLOSE_WAIT_S in extproc/server/service.py).
     await call.done_writing()
     call.cancel()
-    if not destination:
+    if not destination or decided is None:
         raise StreamError("no destination in the headers answer")
-    return destination
+    return Exchange(destination, decided - started, time.perf_counter() - started)
 
 
 def self_cpu_seconds() -> float:

@@ -22,8 +22,12 @@ the small one, so no cache of whole bodies can help. Measured, per `serve` varia
   small requests sent one at a time (once);
 - **next turn**: one stream, once serve has nothing left to tokenize; p50 of a conversation's next
   turn (same ~8k history, a new last message) against p50 of cold ~8k prompts, each with the share
-  tokenized in time, and a 64-byte chat's p50: the round trip both pay. The three kinds go in
-  alternating blocks, each kind pooled; serve's own mean decision time per kind is given too;
+  tokenized in time, and a 64-byte chat's p50: the round trip both pay. Each is timed from opening
+  the stream to the routing answer (``grpc_load.Exchange.decided_s``), what the request waits for
+  its route, as Envoy times its own call; the whole stream (that, plus the body echoed back, the
+  response-headers exchange a real request has after its engine answers, and the close) is
+  reported too. The three kinds go in alternating blocks, each kind pooled; serve's own mean
+  decision time per kind is given too;
 - **next turn, through Envoy**: the same three kinds in the same blocks, sent over HTTP through the
   shipped gateway (real Envoy, FULL_DUPLEX) to fake engines, timed by Envoy itself: p50 of its
   ext_proc call for the request headers, which serve answers once the endpoint is picked
@@ -69,7 +73,7 @@ import grpc
 import orjson
 import tokenizers
 from envoy_timing import TimedGateway
-from grpc_load import StreamError, chat_body, closed_loop, one_stream, request_messages
+from grpc_load import Exchange, StreamError, chat_body, closed_loop, exchange, one_stream, request_messages
 from machine import machine, provenance, record
 from stack import ServeProcess
 
@@ -272,9 +276,11 @@ async def latencies(call: Callable[[], Awaitable[object]], count: int) -> list[f
     return out
 
 
-async def timed(call: Callable[[], Awaitable[object]], count: int) -> dict[str, Any]:
-    """:func:`latencies`, as a measure :func:`precise_share` can wrap."""
-    return {"latencies": await latencies(call, count)}
+async def exchanges(call: Callable[[], Awaitable[Exchange]], count: int) -> dict[str, Any]:
+    """``count`` exchanges one after another, as a measure :func:`precise_share` can wrap: each one's
+    seconds to its routing answer (``decided``) and of its whole stream."""
+    done = [await call() for _ in range(count)]
+    return {"decided": [e.decided_s for e in done], "whole_stream": [e.whole_s for e in done]}
 
 
 def p(values: list[float], q: float) -> float:
@@ -474,6 +480,9 @@ async def measure_variant(
         async def send(body: bytes) -> str:
             return await one_stream(stub, request_messages(body))
 
+        async def send_timed(body: bytes) -> Exchange:
+            return await exchange(stub, request_messages(body))
+
         small = chat_body(MODEL)
         # Small before and after each conversation measure: each ratio takes the mean of the two
         # around it, so a slow or fast moment of a shared machine does not swing it alone.
@@ -590,10 +599,12 @@ async def measure_variant(
         # Next turns, cold prompts and small ones in alternating blocks, each kind's latencies
         # pooled: the machine's speed drifts by 20% within seconds here, and one block of each in
         # turn would put that drift in the ratio.
-        kinds: dict[str, Callable[[], Awaitable[str]]] = {
-            kind: (lambda body_of=body_of: send(body_of())) for kind, body_of in bodies_of.items()
+        kinds: dict[str, Callable[[], Awaitable[Exchange]]] = {
+            kind: (lambda body_of=body_of: send_timed(body_of())) for kind, body_of in bodies_of.items()
         }
+        # Per kind, seconds to the routing answer and of the whole stream.
         pooled: dict[str, list[float]] = {kind: [] for kind in kinds}
+        pooled_whole: dict[str, list[float]] = {kind: [] for kind in kinds}
         shares: dict[str, list[float]] = {kind: [] for kind in kinds}
         # Per kind and clock: seconds and observations added while that kind was sent.
         serve_s = {kind: {name: [0.0, 0.0] for name in SERVE_CLOCKS} for kind in kinds}
@@ -602,10 +613,11 @@ async def measure_variant(
             for _ in range(NEXT_TURN_ROUNDS):
                 for kind, call in kinds.items():
                     before = await serve_totals(admin_port)
-                    measured = await precise_share(admin_port, timed(call, block))
+                    timings = await precise_share(admin_port, exchanges(call, block))
                     after = await serve_totals(admin_port)
-                    pooled[kind] += measured["latencies"]
-                    shares[kind].append(measured["precise_share"])
+                    pooled[kind] += timings["decided"]
+                    pooled_whole[kind] += timings["whole_stream"]
+                    shares[kind].append(timings["precise_share"])
                     for name, totals in serve_s[kind].items():
                         totals[0] += after[name][0] - before[name][0]
                         totals[1] += after[name][1] - before[name][1]
@@ -617,11 +629,16 @@ async def measure_variant(
             }
 
         out["next_turn"] = {
+            # To the routing answer: what the request waits for its route.
             "p50_next_turn_ms": p(pooled["next_turn"], 0.5) * 1e3,
             "p50_cold_ms": p(pooled["cold"], 0.5) * 1e3,
             # The floor under both: a round trip with nothing to tokenize (the client's and gRPC's
             # costs, which a next turn pays as much as a cold prompt).
             "p50_small_ms": p(pooled["small"], 0.5) * 1e3,
+            # The whole stream (what this measure timed before it timed the routing answer): the
+            # same, plus the body echoed back, the response-headers exchange and the close, which
+            # every kind pays alike.
+            "whole_stream_p50_ms": {kind: p(values, 0.5) * 1e3 for kind, values in pooled_whole.items()},
             # A cold prompt routed without its tokens costs less than one tokenized: the ratio
             # means what it says only when both shares are 1.
             "precise_share_next_turn_cold": [statistics.fmean(shares[k]) for k in ("next_turn", "cold")],
@@ -691,6 +708,8 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
         "stall_one_stream": r["stall_one_stream"]["p99_beside_32k_ms"]
         / r["stall_one_stream"]["p99_alone_ms"],
         "next_turn": r["next_turn"]["p50_next_turn_ms"] / r["next_turn"]["p50_cold_ms"],
+        "next_turn_whole_stream": r["next_turn"]["whole_stream_p50_ms"]["next_turn"]
+        / r["next_turn"]["whole_stream_p50_ms"]["cold"],
         "next_turn_envoy": r["next_turn_envoy"]["p50_next_turn_ms"] / r["next_turn_envoy"]["p50_cold_ms"],
     }
 
@@ -783,7 +802,8 @@ def report(results: dict[str, Any]) -> str:
         "cold_tokens": "cold 8k prompts: tokens/s (tokenized in time), share of encode_batch",
         "stall": "small p99 beside 32k prompts, x alone (16 streams, the issue's setup)",
         "stall_one_stream": "the same, small requests one at a time (stricter; no target)",
-        "next_turn": "next turn p50, share of a cold prompt",
+        "next_turn": "next turn p50 to the routing answer, share of a cold prompt's",
+        "next_turn_whole_stream": "the same for the load client's whole ext_proc stream (no target)",
         "next_turn_envoy": "the same timed by real Envoy (its ext_proc call for the decision; no target)",
     }
     for key, label in labels.items():
@@ -840,12 +860,20 @@ def report(results: dict[str, Any]) -> str:
             lambda v: stall_cell(v["stall_one_stream"]),
         ),
         (
-            "next turn / cold / 64-byte chat p50 ms, one stream (tokenized in time: next turn / cold)",
+            "next turn / cold / 64-byte chat p50 ms to the routing answer, one stream (tokenized in "
+            "time: next turn / cold)",
             lambda v: (
-                f"{v['next_turn']['p50_next_turn_ms']:.1f} / {v['next_turn']['p50_cold_ms']:.1f} / "
-                + f"{v['next_turn'].get('p50_small_ms', float('nan')):.1f} ("
+                f"{v['next_turn']['p50_next_turn_ms']:.2f} / {v['next_turn']['p50_cold_ms']:.2f} / "
+                + f"{v['next_turn'].get('p50_small_ms', float('nan')):.2f} ("
                 + " / ".join(f"{x:.0%}" for x in v["next_turn"].get("precise_share_next_turn_cold", []))
                 + ")"
+            ),
+        ),
+        (
+            "  the same requests' whole ext_proc stream p50 ms",
+            lambda v: " / ".join(
+                f"{v['next_turn'].get('whole_stream_p50_ms', {}).get(k, float('nan')):.2f}"
+                for k in ("next_turn", "cold", "small")
             ),
         ),
         (
