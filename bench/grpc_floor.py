@@ -7,8 +7,9 @@ scheduler. Against it, serve as ``long_prompts.py`` runs it (threads, the real L
 8 endpoints that declare KV events). Both are sent a 64-byte chat, one request at a time, in
 alternating blocks (this VM's speed drifts within seconds), and timed two ways:
 
-- **load client**: the Python gRPC load client's whole ext_proc stream (``grpc_load.one_stream``,
-  the client of ``long_prompts.py``'s next-turn target), p50;
+- **load client**: the Python gRPC load client (``grpc_load.exchange``, the client of
+  ``long_prompts.py``'s next-turn target), p50 to the routing answer (its target's measure) and of
+  the whole ext_proc stream;
 - **Envoy**: over HTTP through the shipped gateway to fake engines, Envoy's own latency for its
   ext_proc call on the request headers, p50 (``envoy_timing.py``).
 
@@ -26,7 +27,6 @@ import contextlib
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 import uvloop
 from envoy_timing import TimedGateway
-from grpc_load import chat_body, one_stream, request_messages
+from grpc_load import chat_body, exchange, one_stream, request_messages
 from long_prompts import CHANNEL_OPTIONS, MODEL, start_serve, write_catalog
 from machine import machine, provenance, record
 
@@ -89,9 +89,11 @@ async def wait_listening(port: int, within: float = 15.0) -> None:
         await asyncio.wait_for(channel.channel_ready(), within)
 
 
-async def load_client_p50s(targets: dict[str, int]) -> dict[str, float]:
-    """p50 ms of a 64-byte chat's whole stream, per target, in alternating blocks."""
-    samples: dict[str, list[float]] = {name: [] for name in targets}
+async def load_client_p50s(targets: dict[str, int]) -> dict[str, dict[str, float]]:
+    """p50 ms of a 64-byte chat to its routing answer (``decided``) and of its whole stream
+    (``whole``), per target, in alternating blocks."""
+    decided: dict[str, list[float]] = {name: [] for name in targets}
+    whole: dict[str, list[float]] = {name: [] for name in targets}
     body = chat_body(MODEL)
     async with contextlib.AsyncExitStack() as stack:
         stubs = {}
@@ -106,10 +108,13 @@ async def load_client_p50s(targets: dict[str, int]) -> dict[str, float]:
         for _ in range(ROUNDS):
             for name, stub in stubs.items():
                 for _ in range(BLOCK):
-                    started = time.perf_counter()
-                    await one_stream(stub, request_messages(body))
-                    samples[name].append(time.perf_counter() - started)
-    return {name: statistics.median(values) * 1e3 for name, values in samples.items()}
+                    timed = await exchange(stub, request_messages(body))
+                    decided[name].append(timed.decided_s)
+                    whole[name].append(timed.whole_s)
+    return {
+        kind: {name: statistics.median(values) * 1e3 for name, values in samples.items()}
+        for kind, samples in (("decided", decided), ("whole", whole))
+    }
 
 
 async def envoy_p50s(tmp: Path, targets: dict[str, int], endpoints: list[str]) -> dict[str, Any]:
@@ -161,7 +166,8 @@ def report(results: dict[str, Any]) -> str:
     client = results["load_client_p50_ms"]
     envoy = results["envoy"]
     rows = [
-        ("load client: whole ext_proc stream", client),
+        ("load client: to the routing answer", client["decided"]),
+        ("load client: whole ext_proc stream", client["whole"]),
         ("Envoy: its ext_proc call for the request headers (the decision)", envoy["decision_ms"]),
         ("HTTP round trip through Envoy and a fake engine (client side)", envoy["round_trip_ms"]),
     ]
