@@ -257,14 +257,25 @@ def added(snapshots: Iterable[dict[str, dict[str, float]]]) -> dict[str, dict[st
 
 
 def gc_summary(samples: dict[str, float]) -> dict[str, float]:
-    """Full collections (generation 2) over the run: how many, their total and the slow ones."""
+    """Collections over the run: full ones (generation 2), how many, their total and the slow ones;
+    young ones (generations 0 and 1), how many and the slow ones (whichever thread's allocation
+    triggers a collection runs it holding the GIL, so a slow one in a tokenizing thread stops the
+    loop too)."""
 
     def sample(name: str) -> float:
         return samples.get(f"extproc_gc_pause_seconds_{name}", 0.0)
 
-    count = sample('count{generation="2"}')
-    within_5ms = sample('bucket{generation="2",le="0.005"}')
-    return {"full": count, "full_seconds": sample('sum{generation="2"}'), "full_over_5ms": count - within_5ms}
+    def over_5ms(generation: str) -> float:
+        count = sample(f'count{{generation="{generation}"}}')
+        return count - sample(f'bucket{{generation="{generation}",le="0.005"}}')
+
+    return {
+        "full": sample('count{generation="2"}'),
+        "full_seconds": sample('sum{generation="2"}'),
+        "full_over_5ms": over_5ms("2"),
+        "young": sample('count{generation="0"}') + sample('count{generation="1"}'),
+        "young_over_5ms": over_5ms("0") + over_5ms("1"),
+    }
 
 
 async def latencies(call: Callable[[], Awaitable[object]], count: int) -> list[float]:
@@ -941,6 +952,14 @@ def report(results: dict[str, Any]) -> str:
             "full GC runs (over 5 ms), their total ms",
             lambda v: (
                 f"{v['gc']['full']:.0f} ({v['gc']['full_over_5ms']:.0f}), {v['gc']['full_seconds'] * 1e3:.0f}"
+            ),
+        ),
+        (
+            "young GC runs, generations 0 and 1 (over 5 ms)",
+            lambda v: (
+                f"{v['gc']['young']:.0f} ({v['gc']['young_over_5ms']:.0f})"
+                if "young" in v["gc"]
+                else "not measured"
             ),
         ),
         (
