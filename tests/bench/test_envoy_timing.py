@@ -3,38 +3,27 @@ real Envoy from the shipped config, real fake engines."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
 from envoy_timing import TimedGateway, parse_log
 from ports import free_port
 from stack import MODEL, ServeProcess
-
-from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
 
 
 def chat(words: str) -> bytes:
     return f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "{words}"}}]}}'.encode()
 
 
-async def test_every_request_is_logged_with_its_kind_and_envoys_decision_time(tmp_path: Path) -> None:
-    endpoints = [f"127.0.0.1:{free_port()}" for _ in range(2)]
-    catalog = tmp_path / "catalog.yaml"
-    catalog.write_text(catalog_yaml([LocalWorkerSet("bench", MODEL, endpoints)]))
-    serve = ServeProcess(catalog)
-    await serve.start()
-    try:
-        gateway = TimedGateway(tmp_path, serve.grpc_port, endpoints, free_port(), free_port())
-        async with gateway:
-            for kind in ("short", "long", "short"):
-                await gateway.post(kind, chat("the quick brown fox " * (1 if kind == "short" else 200)))
-        timings = gateway.timings()
-    finally:
-        await serve.stop()
+async def test_every_request_is_logged_with_its_kind_and_envoys_decision_time(
+    tmp_path: Path, serve_two_endpoints: tuple[ServeProcess, list[str]]
+) -> None:
+    serve, endpoints = serve_two_endpoints
+    gateway = TimedGateway(tmp_path, serve.grpc_port, endpoints, free_port(), free_port())
+    async with gateway:
+        for kind in ("short", "long", "short"):
+            await gateway.post(kind, chat("the quick brown fox " * (1 if kind == "short" else 200)))
+    timings = gateway.timings()
     assert [t.kind for t in timings] == ["short", "long", "short"]
     assert all(t.status == 200 for t in timings)
     # Envoy timed serve's answer to the request headers (the decision) and to the response's headers.

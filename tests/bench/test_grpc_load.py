@@ -3,35 +3,20 @@ serve over real gRPC."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import grpc
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
 from grpc_load import chat_body, exchange, request_messages
-from ports import free_port
 from stack import MODEL, ServeProcess
 
-from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 
 async def test_an_exchange_names_the_pick_and_times_the_routing_answer_within_the_stream(
-    tmp_path: Path,
+    serve_two_endpoints: tuple[ServeProcess, list[str]],
 ) -> None:
-    endpoints = [f"127.0.0.1:{free_port()}" for _ in range(2)]
-    catalog = tmp_path / "catalog.yaml"
-    catalog.write_text(catalog_yaml([LocalWorkerSet("bench", MODEL, endpoints)]))
-    serve = ServeProcess(catalog)
-    await serve.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{serve.grpc_port}") as channel:
-            stub = ep_grpc.ExternalProcessorStub(channel)  # type: ignore[no-untyped-call]
-            timed = [await exchange(stub, request_messages(chat_body(MODEL))) for _ in range(5)]
-    finally:
-        await serve.stop()
+    serve, endpoints = serve_two_endpoints
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{serve.grpc_port}") as channel:
+        stub = ep_grpc.ExternalProcessorStub(channel)  # type: ignore[no-untyped-call]
+        timed = [await exchange(stub, request_messages(chat_body(MODEL))) for _ in range(5)]
     assert all(t.destination.split(",")[0] in endpoints for t in timed)
     # The routing answer comes before the body echoed back, the response-headers exchange and the
     # close: it is a part of the whole stream, never all of it.
