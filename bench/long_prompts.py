@@ -275,6 +275,8 @@ def gc_summary(samples: dict[str, float]) -> dict[str, float]:
         "full_over_5ms": over_5ms("2"),
         "young": sample('count{generation="0"}') + sample('count{generation="1"}'),
         "young_over_5ms": over_5ms("0") + over_5ms("1"),
+        # Of the young ones, those serve ran itself on finding the young generation over its bound.
+        "young_bounded": samples.get("extproc_gc_young_bounded_total", 0.0),
     }
 
 
@@ -756,7 +758,7 @@ async def run(
                 )
                 measured["fallbacks"] = await metric_values(admin_port, "extproc_tokenize_fallbacks_total")
                 measured["loop_lag"] = lag_summary(before, await loop_lag(admin_port))
-                measured["gc"] = gc_summary(await metric_values(admin_port, "extproc_gc_pause_seconds"))
+                measured["gc"] = gc_summary(await metric_values(admin_port, "extproc_gc_"))
             finally:
                 await serve.stop()
             measured["ratios"] = ratios(measured)
@@ -955,9 +957,10 @@ def report(results: dict[str, Any]) -> str:
             ),
         ),
         (
-            "young GC runs, generations 0 and 1 (over 5 ms)",
+            "young GC runs, generations 0 and 1 (over 5 ms; run by serve past its bound)",
             lambda v: (
-                f"{v['gc']['young']:.0f} ({v['gc']['young_over_5ms']:.0f})"
+                f"{v['gc']['young']:.0f} ({v['gc']['young_over_5ms']:.0f}; "
+                f"{v['gc'].get('young_bounded', 0):.0f} past serve's bound)"
                 if "young" in v["gc"]
                 else "not measured"
             ),

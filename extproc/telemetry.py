@@ -118,6 +118,12 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
             registry=self.registry,
         )
+        self.gc_young_bounded = Counter(
+            "extproc_gc_young_bounded_total",
+            "Young collections serve ran because the young generation had grown past its bound, which "
+            "CPython's own trigger misses under churn (see extproc.serve.memory).",
+            registry=self.registry,
+        )
         self.upstream_failures = Counter(
             "extproc_upstream_failures_total",
             "Routed requests whose pick failed, as Envoy's response attributes tell: connect_failed "

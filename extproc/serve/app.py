@@ -30,7 +30,7 @@ from extproc.scheduling.registry import DEFAULT_POLICY, build_policy
 from extproc.scheduling.scheduler import Scheduler
 from extproc.serve.collectors import CalibrationCollector, CatalogCollector, UnknownProfileCollector
 from extproc.serve.loop_lag import watch_loop_lag
-from extproc.serve.memory import GcWatch, freeze_startup_heap, trim_forever
+from extproc.serve.memory import GcWatch, bound_young_generation, freeze_startup_heap, trim_forever
 from extproc.serve.observed import observe_worker_sets
 from extproc.serve.prefix_routing import PrefixRouting
 from extproc.server.budget import BodyBudget
@@ -99,6 +99,7 @@ class Server:
         self._profile_poll: asyncio.Task[None] | None = None
         self._loop_lag: asyncio.Task[None] | None = None
         self._trim: asyncio.Task[None] | None = None
+        self._young: asyncio.Task[None] | None = None
         self._gc_watch: GcWatch | None = None
         self._froze_heap = False
         #: The GIL switch interval before start changed it (restored by stop).
@@ -127,6 +128,9 @@ class Server:
         self._loop_lag = asyncio.create_task(watch_loop_lag(self.metrics.loop_lag), name="loop-lag")
         self._gc_watch = GcWatch(self.metrics.gc_pause_seconds)
         self._gc_watch.install()
+        self._young = asyncio.create_task(
+            bound_young_generation(self.metrics.gc_young_bounded), name="gc-young"
+        )
         if self.settings.malloc_trim_interval > 0:
             self._trim = asyncio.create_task(
                 trim_forever(
@@ -298,7 +302,7 @@ class Server:
 
     async def stop(self) -> None:
         """Stop taking streams, let open ones finish for ``drain_seconds``, then close."""
-        for task in (self._watch, self._profile_poll, self._loop_lag, self._trim):
+        for task in (self._watch, self._profile_poll, self._loop_lag, self._trim, self._young):
             await cancel_and_wait(task)
         if self._gc_watch is not None:
             self._gc_watch.uninstall()

@@ -13,6 +13,15 @@ over a large heap (the prefix index, the tokenizers' caches) can take tens of mi
 every request in flight waits. :class:`GcWatch` times each collection, by generation, and
 :func:`freeze_startup_heap` takes what serve loaded at start (modules, tokenizers, the first catalog:
 ~75 ms of every full collection, bench/results/long_prompts.md) out of the collector's walks.
+
+**Young collections that fire late.** CPython (3.11) collects the young generation when container
+objects allocated minus those deallocated pass 700, and deallocating *old* objects counts too. Under
+churn (segments evicted from the tokenizer's cache, requests ending) the count stays low while the
+young generation grows: a probe saw ~23,000 objects in it, the leftovers of ~900 gRPC streams
+(grpcio leaves 5 cyclic objects per stream), collected in one go in ~10 ms by whichever thread
+allocated next, a tokenizing thread included, holding the GIL
+(bench/results/long_prompts_decided_runs.md). :func:`bound_young_generation` looks at its size on
+the loop every 50 ms and collects it past :data:`YOUNG_MAX_OBJECTS`.
 """
 
 from __future__ import annotations
@@ -81,6 +90,28 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+#: How often :func:`bound_young_generation` looks at the young generation.
+YOUNG_CHECK_INTERVAL_S = 0.05
+#: The young generation's size past which it is collected at once: a collection walks its objects
+#: at ~0.5-1 µs each here, so about 2-5 ms, on the loop, instead of several times that later.
+YOUNG_MAX_OBJECTS = 5_000
+
+
+async def bound_young_generation(
+    collected: Counter, interval: float = YOUNG_CHECK_INTERVAL_S, max_objects: int = YOUNG_MAX_OBJECTS
+) -> None:
+    """Every ``interval`` s, collect the young generation if it holds over ``max_objects`` objects
+    (see the module docstring); ``collected`` counts the collections this caused.
+
+    Listing the generation costs ~10 ns an object (~20 µs for a usual 2,000).
+    """
+    while True:
+        await asyncio.sleep(interval)
+        if gc.isenabled() and len(gc.get_objects(0)) > max_objects:
+            gc.collect(0)
+            collected.inc()
 
 
 class GcWatch:
