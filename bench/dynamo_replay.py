@@ -20,12 +20,13 @@ fine, it needs nothing of ours but numpy for the timing file) and run from the r
 
     python -m venv /tmp/dyn && /tmp/dyn/bin/pip install ai-dynamo-runtime==1.6.1 numpy==2.4.6
     /tmp/dyn/bin/python bench/dynamo_replay.py [--runs 3]
-    /tmp/dyn/bin/python bench/dynamo_replay.py --ours bench/results/replay_offline_full.json \
+    /tmp/dyn/bin/python bench/dynamo_replay.py --ours bench/results/raw/replay_offline_full.json \
         --out bench/results/dynamo_replay_full.json
 
 Ours comes from recorded offline replays (``python -m bench.replay --offline [--seed N] --out ...``):
 the rows, the engines and the output cap are read from them (all must agree), by default
-``bench/results/replay_offline{,_seed2,_seed3}.json`` (3,000 rows). Writes
+``bench/results/raw/replay_offline{,_seed2,_seed3}.json`` (3,000 rows; raw outputs are not
+tracked: run those replays first). Writes
 ``bench/results/dynamo_replay.{json,md}`` unless ``--out`` says otherwise.
 """
 
@@ -316,7 +317,7 @@ def main() -> None:
         "--ours",
         type=Path,
         nargs="+",
-        default=[HERE / "results" / f"replay_offline{s}.json" for s in ("", "_seed2", "_seed3")],
+        default=[HERE / "results" / "raw" / f"replay_offline{s}.json" for s in ("", "_seed2", "_seed3")],
         help="our recorded offline replays of the same rows and engines, one per seed",
     )
     parser.add_argument("--out", type=Path, default=HERE / "results" / "dynamo_replay.json")

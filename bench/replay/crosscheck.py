@@ -9,7 +9,7 @@ timing, so it is one more draw of them, and some policies move by more than the 
 seed alone (approximate prefix affinity: 9.6-10.7% hit rate over four seeds on rows 0-1,499).
 
     python -m bench.replay.crosscheck [ONLINE.json [OFFLINE.json ...]] [--out OUT.md]
-    # defaults: results/replay.json, results/replay_offline.json -> results/replay_crosscheck.md
+    # defaults: results/raw/replay.json, results/raw/replay_offline.json -> results/replay_crosscheck.md
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m bench.replay.crosscheck", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("online", nargs="?", type=Path, default=RESULTS / "replay.json")
+    parser.add_argument("online", nargs="?", type=Path, default=RESULTS / "raw" / "replay.json")
     parser.add_argument(
         "offline",
         nargs="*",
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "replay_crosscheck.md")
     args = parser.parse_args(argv)
-    offline_paths = args.offline or [RESULTS / "replay_offline.json"]
+    offline_paths = args.offline or [RESULTS / "raw" / "replay_offline.json"]
     md = markdown(
         json.loads(args.online.read_text()), [json.loads(path.read_text()) for path in offline_paths]
     )

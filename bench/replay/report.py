@@ -1,6 +1,6 @@
 """The replay benchmark's markdown table and plots, from its JSON result (re-renderable offline).
 
-``python -m bench.replay.report bench/results/replay.json`` rewrites the ``.md`` and PNGs beside it.
+``python -m bench.replay.report bench/results/raw/replay.json`` rewrites ``bench/results/replay.md`` and its PNGs.
 Plots need matplotlib (a dev extra); without it the markdown is still written.
 """
 
@@ -265,16 +265,24 @@ def plots(result: dict[str, Any], out: Path) -> list[Path]:
     return written
 
 
+def summary_path(out: Path) -> Path:
+    """Where a run's summary goes: raw outputs (``results/raw/X.json``, not tracked) have their
+    ``.md`` and PNGs one folder up, in ``results/`` (tracked); any other output has them beside it."""
+    folder = out.parent.parent if out.parent.name == "raw" else out.parent
+    return folder / out.with_suffix(".md").name
+
+
 def write(result: dict[str, Any], out: Path) -> str:
-    """Write ``<out>.md`` and the PNGs beside ``out``; returns the markdown."""
-    images = plots(result, out)
+    """Write the run's ``.md`` and PNGs (see :func:`summary_path`); returns the markdown."""
+    summary = summary_path(out)
+    images = plots(result, summary)
     md = markdown(result)
     if images:
         md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in images) + "\n"
-    out.with_suffix(".md").write_text(md)
+    summary.write_text(md)
     return md
 
 
 if __name__ == "__main__":
-    target = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/replay.json")
+    target = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/raw/replay.json")
     print(write(json.loads(target.read_text()), target))

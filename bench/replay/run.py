@@ -559,10 +559,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--only", nargs="*", help="run only the policies whose names start with these")
     p.add_argument("--trace", type=Path, default=TRACE)
-    p.add_argument("--out", type=Path, default=None, help="(bench/results/replay[_offline].json)")
+    p.add_argument("--out", type=Path, default=None, help="raw per-request output (bench/results/raw/replay[_offline].json; the .md summary goes to bench/results/)")
     args = p.parse_args(argv)
     if args.out is None:
-        args.out = REPO / f"bench/results/replay{'_offline' if args.offline else ''}.json"
+        args.out = REPO / f"bench/results/raw/replay{'_offline' if args.offline else ''}.json"
     if args.offline and args.scrape_interval > 0:
         p.error("--offline does not model engine signals: leave --scrape-interval at 0")
     if not args.trace.is_file():
