@@ -29,8 +29,9 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.machine import machine, provenance, record
+from bench.replay.arms import TRACE, Arm, Config, true_profile
 from bench.replay.offline import OfflineReplay
-from bench.replay.run import TRACE, Arm, Config, summarize, true_profile
+from bench.replay.run import summarize
 from bench.replay.trace import load
 from extproc.scheduling.calibration import Calibration
 from extproc.scheduling.fit import scaled
@@ -67,8 +68,6 @@ def play(
         (lambda _endpoint: profile) if calibration is None else calibration.profile_of(lambda _e: profile)
     )
     policy = PredictedTTFT(profile_of)
-    if calibration is not None:
-        policy.on_pick = calibration.picked
     replay.append(OfflineReplay(Arm(name, policy), rows, cfg, vocab, calibration=calibration))
     raw = replay[0].run()
     arrivals = {r.index: r.arrival_s for r in rows}

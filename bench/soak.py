@@ -14,7 +14,7 @@ Halfway through the warm-up it stops every engine for 2 s (SIGSTOP): up to ~200 
 in flight, as in a long hiccup of a shared machine. Such a burst leaves `serve`'s RSS 1.5-2 MB
 higher for good: the allocators (pymalloc's 1 MiB arenas, glibc's heap) keep pages that the
 burst's short-lived objects were freed from, because a few long-lived objects share them. A second
-burst no larger adds little (0.2 MB), a larger one more (bench/results/soak_bursts.md): a
+burst no larger adds little (0.2 MB), a larger one more (docs/investigations/soak_bursts.md): a
 high-water mark, not a leak. So the warm-up takes RSS to that mark before the slope is measured,
 and a hiccup of the machine later in the run (40-70 in flight, seen) does not pass for a leak;
 growth past the mark is measured.

@@ -5,7 +5,7 @@ clock, so a busy machine changes its figures. Here a discrete-event loop plays i
 request arrivals (the trace's own timestamps) and engine step ends are events, taken in time order.
 
 The same parts decide as online: the real :class:`Scheduler` and policy, the real prefix index and
-scorer (tokenizer ``extproc:tiny``), fed with each engine step's KV events as the router's ingest
+matcher (tokenizer ``extproc:tiny``), fed with each engine step's KV events as the router's ingest
 decodes them (handed over decoded by :func:`router_batch`, or with ``wire_events`` encoded as vLLM
 sends them and decoded by the ingest itself: the same index either way, ~20% slower); in-flight
 leases from each decision to the request's last token, their predicted prefill measured in model
@@ -37,18 +37,20 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bench.replay.run import MODEL, PATH, Arm, Config, Sent, replay_catalog
+from bench.replay.arms import MODEL, PATH, Arm, Config, Sent, replay_catalog
 from bench.replay.trace import TraceRequest, prompt_tokens
 from extproc.catalog.store import CatalogStore
+from extproc.control.load import Lease, LoadView
+from extproc.control.requests import RequestControl
 from extproc.demo.catalog import LocalWorkerSet
 from extproc.kvindex.events import U64_MASK, AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, Source
 from extproc.kvindex.events import KVEvent as RouterEvent
 from extproc.kvindex.follow import plan_sources
 from extproc.openai import read_request
 from extproc.scheduling.calibration import Calibration
-from extproc.scheduling.inflight import InFlight, Lease
-from extproc.scheduling.scheduler import Scheduler
-from extproc.scheduling.signals import EngineSignals
+from extproc.scheduling.engine_signals import EngineSignals
+from extproc.scheduling.hooks import calibrate, remember_affinity
+from extproc.scheduling.scheduler import DecisionHook, Scheduler
 from extproc.serve.prefix_routing import PrefixRouting
 from extproc.settings import PrefixSettings, TokenizerSpec
 from extproc.sim import kv_events as sim
@@ -134,14 +136,23 @@ class OfflineReplay:
             self.routing.index.add_source(source, namespace=plan.namespace, block_size=plan.block_size)
             self.routing.index.set_complete(source, True)
             self.sources[source.endpoint] = source
-        self.inflight = InFlight(clock=lambda: self.now)
+        hooks: list[DecisionHook] = [remember_affinity(self.routing.matcher)]
+        if calibration is not None:
+            hooks.append(calibrate(calibration))
+        self.load = LoadView(clock=lambda: self.now)
         self.scheduler = Scheduler(
-            lambda: self.store.current,
-            self.inflight,
+            self.load,
+            arm.policy,
             max_fallbacks=0,
             rng=random.Random(cfg.seed),
-            prefix=self.routing.scorer,
-            policy=arm.policy,
+            prefix=self.routing.matcher,
+            hooks=hooks,
+        )
+        self.control = RequestControl(
+            catalog=lambda: self.store.current,
+            scheduler=self.scheduler,
+            load=self.load,
+            clock=lambda: self.now,
         )
         self._events: list[tuple[float, int, int, Any]] = []
         self._order = itertools.count()
@@ -190,7 +201,7 @@ class OfflineReplay:
             "wall_s": self.now,
             "router_client_cpu_s": time.process_time() - cpu0,
             "engine_cpu_s": 0.0,
-            "prefix_lookups": dict(self.routing.scorer.counters.lookups),
+            "prefix_lookups": dict(self.routing.matcher.counters.lookups),
             "engines": [self._engine_numbers(e) for e in self.engines.values()],
             "requests": [asdict(r) for r in self.records],
         }
@@ -202,8 +213,9 @@ class OfflineReplay:
         prompt = prompt_tokens(request, self.vocab)
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
         started = time.perf_counter()
-        decision = self.scheduler.schedule(read_request(PATH, body))
-        address = decision.endpoints[0].address
+        catalog = self.store.current
+        decision = self.scheduler.decide(catalog, catalog.resolve(MODEL), read_request(PATH, body))
+        address = decision.pick.address
         record = Sent(request.index, address)
         record.router_cached = decision.prefix.cached_tokens.get(address, 0)
         record.decide_s = time.perf_counter() - started
@@ -211,7 +223,7 @@ class OfflineReplay:
         tokens, seconds = decision.prefill
         # The policy's own prediction, unrounded; (0, 0.0) from a policy that predicts nothing.
         record.predicted_ttft_s = seconds or None
-        lease = self.scheduler.acquire(address, prefill_tokens=tokens, prefill_seconds=seconds)
+        lease = self.control.acquire(address, model=MODEL, prefill_tokens=tokens, prefill_seconds=seconds)
         if self.arm.active is not None:
             self.arm.active.start(request.index, address, request.input_length, record.router_cached)
         request_id = str(request.index)
@@ -267,7 +279,7 @@ class OfflineReplay:
             engine.queue.append(out.queue_time or 0.0)
             record.ttft_wall_s = self.now - flight.arrival
             record.engine_cached = out.num_cached_tokens
-            flight.lease.first_token()
+            self.control.load.prefill_over(flight.lease.key)
             if self.arm.active is not None:
                 self.arm.active.first_token(int(out.request_id))
         if out.finished:
@@ -276,7 +288,7 @@ class OfflineReplay:
             engine.finished += 1
             record.e2e_wall_s = self.now - flight.arrival
             record.ok = True
-            flight.lease.release()
+            self.control.release(flight.lease)
             if self.arm.active is not None:
                 self.arm.active.finish(int(out.request_id))
             del self._flights[out.request_id]

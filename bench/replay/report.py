@@ -1,6 +1,7 @@
 """The replay benchmark's markdown table and plots, from its JSON result (re-renderable offline).
 
-``python -m bench.replay.report bench/results/raw/replay.json`` rewrites ``bench/results/replay.md`` and its PNGs.
+``python -m bench.replay.report bench/results/raw/replay.json`` rewrites ``bench/results/replay.md``
+and its PNGs.
 Plots need matplotlib (a dev extra); without it the markdown is still written.
 """
 

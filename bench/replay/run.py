@@ -3,7 +3,7 @@
 Each policy ("arm") gets a fresh fleet of simulated engines (empty caches) in a child process, and
 the bench process runs the router's real decision path against it: the real :class:`Scheduler`
 with the real :class:`PrefixRouting` (tokenizer ``extproc:tiny``, ZMQ KV-event subscriptions to
-every engine, the follower, the prefix scorer), in-flight leases held until each response ends.
+every engine, the follower, the prefix matcher), in-flight leases held until each response ends.
 Requests then go over HTTP straight to the chosen engine: no Envoy, because on a 2-core machine
 Envoy's CPU would distort the engines' pacing more than the routing we want to compare.
 
@@ -26,8 +26,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -37,21 +36,27 @@ import orjson
 
 from bench.machine import machine
 from bench.replay import report
-from bench.replay.policies import ActiveBlocks, DynamoCost, GieLike, RoundRobin
+from bench.replay.arms import (
+    MODEL,
+    PATH,
+    REPO,
+    TRACE,
+    Arm,
+    Config,
+    Sent,
+    default_arms,
+    replay_catalog,
+)
+from bench.replay.offline import OfflineReplay
 from bench.replay.stalls import StallSampler
 from bench.replay.trace import TraceRequest, load, pooled_lru, prompt_tokens, summary, upper_bound
-from extproc.catalog.build import build_catalog
-from extproc.catalog.model import Catalog
-from extproc.catalog.resources import EndpointSlice, InferenceWorkerSet, Service, parse_object
 from extproc.catalog.store import CatalogStore
-from extproc.demo.catalog import LocalWorkerSet, catalog_documents, kv_ports_of
+from extproc.control.load import LoadView
+from extproc.control.requests import RequestControl
+from extproc.demo.catalog import LocalWorkerSet, kv_ports_of
 from extproc.engines.scraper import EngineScraper
 from extproc.openai import read_request
-from extproc.scheduling.cache_then_load import CacheThenLoad
-from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.least_in_flight import LeastInFlight
-from extproc.scheduling.policy import Policy
-from extproc.scheduling.profiles import Profile
+from extproc.scheduling.hooks import remember_affinity
 from extproc.scheduling.scheduler import Scheduler
 from extproc.serve.prefix_routing import PrefixRouting
 from extproc.settings import PrefixSettings, TokenizerSpec
@@ -61,71 +66,6 @@ from extproc.tokenize import shipped_tokenizer
 from extproc.tokenize.registry import SHIPPED_TOKENIZER
 
 log = logging.getLogger("bench.replay")
-
-REPO = Path(__file__).resolve().parents[2]
-#: The shared traces live beside the repository (``../shared/traces``), as the project lays them out.
-TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-MODEL = "mooncake-replay"
-PATH = "/v1/completions"
-
-
-# -- the arms ---------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Arm:
-    """One policy with the prefix producer it runs on and the hooks its state needs."""
-
-    name: str
-    policy: Policy
-    #: True: the catalog declares no KV events, so the scorer uses our routing history (approximate).
-    approximate: bool = False
-    active: ActiveBlocks | None = None
-
-
-def true_profile(engine: EngineParams) -> Profile:
-    """The latency profile the simulated engines actually run: their speed and batch limits."""
-    return Profile(
-        prefill_tokens_per_s=engine.prefill_tokens_per_s,
-        decode_base_ms=engine.decode_base_s * 1000,
-        decode_per_seq_ms=engine.decode_per_seq_s * 1000,
-        max_num_seqs=engine.max_num_seqs,
-        max_num_batched_tokens=engine.max_num_batched_tokens,
-    )
-
-
-def ours(engine: EngineParams) -> tuple[str, Policy]:
-    """The router's own policy: the latency-profile predictor (with :func:`true_profile`) when it
-    exists, else cache-then-load."""
-    try:
-        from extproc.scheduling.predictor import PredictedTTFT
-
-        profile = true_profile(engine)
-        policy: Policy = PredictedTTFT(lambda _endpoint: profile)
-        return f"ours ({policy.name})", policy
-    except Exception as exc:  # not landed, or its interface changed: still compare something
-        log.warning("predictor unavailable (%r): ours = cache-then-load", exc)
-        return "ours (cache-then-load)", CacheThenLoad()
-
-
-def default_arms(engine: EngineParams) -> list[Callable[[], Arm]]:
-    """Factories (fresh policy state per arm) in report order; edit here to add or swap a policy."""
-
-    def dynamo() -> Arm:
-        active = ActiveBlocks(engine.block_size)
-        return Arm(DynamoCost.name, DynamoCost(active), active=active)
-
-    def our_arm() -> Arm:
-        name, policy = ours(engine)
-        return Arm(name, policy)
-
-    return [
-        lambda: Arm(RoundRobin.name, RoundRobin()),
-        lambda: Arm(LeastInFlight.name, LeastInFlight()),
-        lambda: Arm(GieLike.name, GieLike(), approximate=True),
-        dynamo,
-        our_arm,
-    ]
 
 
 # -- the engines (child process) --------------------------------------------------------------------
@@ -214,40 +154,6 @@ def _tap(metrics: Any, seen: dict[str, list[float]]) -> None:
 # -- the router + client (this process) -------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class Sent:
-    """What the client saw of one request (wall seconds, relative to the arm's start)."""
-
-    index: int
-    endpoint: str
-    ok: bool = False
-    router_cached: int = 0
-    engine_cached: int | None = None
-    decide_s: float = 0.0
-    ttft_wall_s: float | None = None
-    e2e_wall_s: float | None = None
-    lag_s: float = 0.0
-    error: str | None = None
-    #: The policy's predicted TTFT for the pick (predicted-ttft only), seconds.
-    predicted_ttft_s: float | None = None
-
-
-@dataclass(slots=True)
-class Config:
-    engines: int
-    time_scale: float
-    output_cap: int
-    engine: dict[str, Any] = field(default_factory=dict)
-    seed: int = 1
-    #: Scrape each engine's /metrics every this many simulated seconds; 0 = no engine signals.
-    scrape_interval: float = 0.0
-    #: Whose surface the simulated engines show (metric names, KV-event encoding): vllm or sglang.
-    engine_kind: str = "vllm"
-    #: Offline only (online events always cross ZMQ): encode each step's KV events as vLLM does and
-    #: decode them with the router's ingest, instead of handing them over as domain events.
-    wire_events: bool = False
-
-
 async def run_arm(arm: Arm, requests: list[TraceRequest], cfg: Config, vocab: int) -> dict[str, Any]:
     """Start fresh engines, replay ``requests`` at their scaled arrival times, collect everything."""
     ctx = mp.get_context("spawn")
@@ -307,15 +213,17 @@ async def _replay(
     if cfg.scrape_interval > 0:
         scraper = EngineScraper(store, interval=cfg.scrape_interval * cfg.time_scale)
         scraper.start()
+    load = LoadView()
     scheduler = Scheduler(
-        lambda: store.current,
-        InFlight(),
+        load,
+        arm.policy,
         max_fallbacks=0,
         rng=random.Random(cfg.seed),
-        prefix=routing.scorer,
-        policy=arm.policy,
+        prefix=routing.matcher,
         signals=None if scraper is None else scraper.usable,
+        hooks=(remember_affinity(routing.matcher),),
     )
+    control = RequestControl(catalog=lambda: store.current, scheduler=scheduler, load=load)
     sent: list[Sent] = []
     loop = asyncio.get_running_loop()
     try:
@@ -331,13 +239,15 @@ async def _replay(
                     await asyncio.sleep(delay)
                 record = Sent(request.index, "", lag_s=max(time.monotonic() - due, 0.0))
                 sent.append(record)
-                tasks.append(asyncio.create_task(_one(session, scheduler, arm, request, cfg, vocab, record)))
+                tasks.append(
+                    asyncio.create_task(_one(session, store, control, arm, request, cfg, vocab, record))
+                )
             await asyncio.gather(*tasks)
             wall = time.monotonic() - t0
             cpu = time.process_time() - cpu0
         conn.send("stop")
         engines = await loop.run_in_executor(None, _recv, conn, 60.0)
-        lookups = dict(routing.scorer.counters.lookups)
+        lookups = dict(routing.matcher.counters.lookups)
     finally:
         await routing.close()
         if scraper is not None:
@@ -353,17 +263,6 @@ async def _replay(
         "engine_stalls": engines["stalls"],
         "requests": [asdict(s) for s in sent],
     }
-
-
-def replay_catalog(worker_set: LocalWorkerSet) -> Catalog:
-    """A catalog built in memory from the same objects a cluster would hold (as the parity tests do)."""
-    objects = [parse_object(doc) for doc in catalog_documents([worker_set])]
-    return build_catalog(
-        [o for o in objects if isinstance(o, InferenceWorkerSet)],
-        [o for o in objects if isinstance(o, Service)],
-        [o for o in objects if isinstance(o, EndpointSlice)],
-        (),
-    )
 
 
 async def _wait_subscribed(routing: PrefixRouting, sources: int, wait_s: float = 20.0) -> None:
@@ -382,7 +281,8 @@ async def _wait_subscribed(routing: PrefixRouting, sources: int, wait_s: float =
 
 async def _one(
     session: aiohttp.ClientSession,
-    scheduler: Scheduler,
+    store: CatalogStore,
+    control: RequestControl,
     arm: Arm,
     request: TraceRequest,
     cfg: Config,
@@ -399,13 +299,16 @@ async def _one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    decision = scheduler.schedule(read_request(PATH, body))
-    address = decision.endpoints[0].address
+    catalog = store.current
+    decision = control.scheduler.decide(catalog, catalog.resolve(MODEL), read_request(PATH, body))
+    address = decision.pick.address
     record.endpoint = address
     record.router_cached = decision.prefix.cached_tokens.get(address, 0)
     record.decide_s = time.monotonic() - start
     tokens, seconds = decision.prefill
-    lease = scheduler.acquire(address, prefill_tokens=tokens, prefill_seconds=seconds * cfg.time_scale)
+    lease = control.acquire(
+        address, model=MODEL, prefill_tokens=tokens, prefill_seconds=seconds * cfg.time_scale
+    )
     if arm.active is not None:
         arm.active.start(request.index, address, request.input_length, record.router_cached)
     try:
@@ -430,15 +333,13 @@ async def _one(
     except (aiohttp.ClientError, TimeoutError) as exc:
         record.error = repr(exc)
     finally:
-        lease.release()
+        control.release(lease)
         if arm.active is not None:
             arm.active.finish(request.index)
 
 
 def offline_arm(arm: Arm, requests: list[TraceRequest], cfg: Config, vocab: int) -> dict[str, Any]:
     """The arm played in virtual time (:mod:`bench.replay.offline`), same shape as :func:`run_arm`'s."""
-    from bench.replay.offline import OfflineReplay  # it imports this module
-
     return OfflineReplay(arm, requests, cfg, vocab).run()
 
 
@@ -559,7 +460,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--only", nargs="*", help="run only the policies whose names start with these")
     p.add_argument("--trace", type=Path, default=TRACE)
-    p.add_argument("--out", type=Path, default=None, help="raw per-request output (bench/results/raw/replay[_offline].json; the .md summary goes to bench/results/)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="raw output (bench/results/raw/replay[_offline].json; its .md goes to bench/results/)",
+    )
     args = p.parse_args(argv)
     if args.out is None:
         args.out = REPO / f"bench/results/raw/replay{'_offline' if args.offline else ''}.json"

@@ -192,7 +192,7 @@ class Demo:
 
     def snapshot(self, traffic: TrafficStats | None) -> Snapshot:
         """What the live view shows now: the engines' own state, the router's in-flight and outcomes."""
-        inflight = self.server.inflight.snapshot() if self.server is not None else {}
+        inflight = self.server.load.snapshot() if self.server is not None else {}
         rows = []
         for e in self.engines:
             # In-process reads of each rank's scheduler and cache: what /metrics would report.
@@ -223,7 +223,7 @@ class Demo:
             source = state.get(f"{e.address}/dp0")
             blocks = None if source is None or not source["connected"] else int(source["gpuBlocks"])
             engines.append((e.worker_set.name, blocks, bool(source and source["complete"])))
-        counters = self.server.prefix.scorer.counters
+        counters = self.server.prefix.matcher.counters
         return PrefixView(dict(counters.lookups), counters.tokenize_errors, tuple(engines))
 
     def intro_text(self) -> str:

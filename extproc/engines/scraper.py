@@ -25,9 +25,9 @@ import aiohttp
 
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
+from extproc.engines.metrics_page import MetricsParseError, parse_signals
 from extproc.engines.poller import EndpointPoller
-from extproc.engines.signals import MetricsParseError, parse_signals
-from extproc.scheduling.signals import EngineSignals
+from extproc.scheduling.engine_signals import EngineSignals
 from extproc.types import EndpointAddress, EngineKind, WorkerSetKey
 
 log = logging.getLogger(__name__)

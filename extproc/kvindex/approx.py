@@ -47,7 +47,7 @@ class ApproxPrefixIndex:
     ``max_entries // 2`` newer records and the index never holds more than ``max_entries``. An
     ordered dict kept the exact order, at the price of reordering it on every record and one
     eviction per new key: 0.17 ms of the event loop for a long prompt's 512 chunks, where two plain
-    dicts take 0.10, and matching them 0.059 ms against 0.036 (``bench/approx_index.py``).
+    dicts take 0.10, and matching them 0.059 ms against 0.036 (``bench/investigations/approx_index.py``).
     """
 
     def __init__(self, *, max_entries: int = 200_000, max_blocks_per_request: int = 512) -> None:

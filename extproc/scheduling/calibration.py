@@ -46,10 +46,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from extproc.catalog.model import Endpoint
+from extproc.scheduling.engine_signals import EngineSignals
 from extproc.scheduling.fit import MIN_REQUESTS, Fit
-from extproc.scheduling.predictor import Prediction
+from extproc.scheduling.policy import Prediction
 from extproc.scheduling.profiles import Profile
-from extproc.scheduling.signals import EngineSignals
 from extproc.types import EndpointAddress, WorkerSetKey
 
 #: Matched requests summed per endpoint before they make one group: first tokens do not come back

@@ -70,10 +70,9 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 from extproc.catalog.model import Endpoint
-from extproc.scheduling.policy import Candidate, Ranking, RequestFacts
+from extproc.scheduling.policy import Candidate, Prediction, Ranking, RequestFacts
 from extproc.scheduling.profiles import Profile
 from extproc.types import WorkerSetKey
 
@@ -81,32 +80,6 @@ from extproc.types import WorkerSetKey
 TIE_RELATIVE = 0.05
 #: ... or within this many seconds.
 TIE_ABSOLUTE_S = 0.001
-
-
-class Prediction(NamedTuple):
-    """One candidate's predicted time to first token and what it came from.
-
-    A named tuple, not a frozen dataclass: one is made per candidate per decision, and a frozen
-    dataclass's ``__init__`` (``object.__setattr__`` per field) took 1.0 µs against 0.4.
-    """
-
-    #: Predicted seconds from now to the first token.
-    ttft_s: float
-    #: Prompt tokens the candidate would compute for this request (``prompt - cached``, >= 0).
-    uncached_tokens: int
-    #: ``max(in_flight, running + waiting)``: requests the endpoint holds, all ranks.
-    load: int
-    #: The endpoint's queue is at its profile's ``queue_limit``.
-    saturated: bool
-    #: Prefill tokens the prediction charges (``ahead + max(uncached, 1)``): ``ttft_s`` holds
-    #: ``work_tokens / prefill_tokens_per_s`` seconds of compute, the rest is step costs and waits
-    #: proportional to the profile's step cost. Calibration fits both parts.
-    work_tokens: float = 0.0
-    #: The part of ``ttft_s`` that scales with the step cost (``decode_base_ms``, ``decode_per_seq_ms``).
-    step_s: float = 0.0
-    #: What ranking compares: ``ttft_s`` plus the weighted prefill compute the pick spends (module
-    #: docstring, *Ranking cost*).
-    cost_s: float = 0.0
 
 
 def effective_cached_tokens(gpu_tokens: int, lower_tokens: int, profile: Profile) -> int:
@@ -176,8 +149,8 @@ class PredictedTTFT:
     """Lowest ranking cost (predicted time to first token plus the prefill work spent) first;
     near-ties at random; saturated endpoints last.
 
-    Sheds (429) when every candidate is saturated. Notes the pick's prediction as
-    ``x-extproc-predicted-ttft-ms`` and hands the scheduler the pick's predicted prefill.
+    Sheds (429) when every candidate is saturated. Returns the pick's :class:`Prediction` with
+    the ranking (what the lease charges, what calibration fits, what ``--decision-headers`` show).
     """
 
     name = "predicted-ttft"
@@ -185,22 +158,17 @@ class PredictedTTFT:
     def __init__(self, profile_of: Callable[[Endpoint], Profile]) -> None:
         #: An endpoint's profile: its worker set's, the same for every endpoint of the set.
         self.profile_of = profile_of
-        #: Told each pick and its prediction (calibration matches them to the engines' TTFTs).
-        self.on_pick: Callable[[Endpoint, Prediction], None] | None = None
 
     def rank(self, request: RequestFacts, candidates: Sequence[Candidate], rng: random.Random) -> Ranking:
         ordered = self.ordered(request, candidates, rng)
         if not ordered:
             return Ranking([])
         best = ordered[0][0]
-        if self.on_pick is not None and not best.saturated:  # a shed request is sent nowhere
-            self.on_pick(ordered[0][1].endpoint, best)
         return Ranking(
             candidates=[c for _, c in ordered],
             # Saturated candidates rank last, so a saturated best means all of them are.
             shed=best.saturated,
-            notes={"x-extproc-predicted-ttft-ms": f"{best.ttft_s * 1000:.1f}"},
-            prefill=(best.uncached_tokens, best.ttft_s),
+            prediction=best,
         )
 
     def ordered(

@@ -14,7 +14,7 @@ A tokenizer that cannot tokenize a body (a template error the engine may not sha
 and the request falls back to approximate: routing never refuses what the engine might accept.
 
 With a :class:`~extproc.tokenize.pool.TokenizePool`, the prompt is tokenized before the decision,
-off the event loop (:meth:`PrefixScorer.prompt_tokens`), and handed to :meth:`PrefixScorer.match`
+off the event loop (:meth:`PrefixMatcher.prompt_tokens`), and handed to :meth:`PrefixMatcher.match`
 as :class:`Tokenized`; without one, ``match`` tokenizes inline.
 """
 
@@ -127,7 +127,7 @@ class PrefixCounters:
         self.loop_hold_cpu.observe(time.thread_time() - started_cpu)
 
 
-class PrefixScorer:
+class PrefixMatcher:
     """Matches a request's prompt against the KV-event index, or our own routing history."""
 
     def __init__(

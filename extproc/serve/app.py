@@ -1,4 +1,4 @@
-"""Wiring for ``extproc serve``: source -> catalog store -> scheduler -> gRPC + admin servers.
+"""Wiring for ``extproc serve``: source -> catalog store -> request control -> gRPC + admin servers.
 
 :class:`Server` starts and stops everything and owns every background task, so tests and the
 demo run the real thing in-process; :func:`serve` is the CLI's blocking entry point.
@@ -19,15 +19,17 @@ from extproc.admin import AdminRunner, admin_app, start_admin
 from extproc.catalog.discovered import apply_discovery
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore, take_apart
+from extproc.control.load import LoadView
+from extproc.control.requests import RequestControl
 from extproc.engines.discovery import ModelDiscovery
 from extproc.engines.scraper import EngineScraper
 from extproc.scheduling.calibration import Calibration, fitted_profiles
-from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.hooks import calibrate, remember_affinity
 from extproc.scheduling.policy import Policy
 from extproc.scheduling.predictor import PredictedTTFT
 from extproc.scheduling.profiles import DEFAULT_PROFILE, ProfileStore, profile_lookup, render_profiles
 from extproc.scheduling.registry import DEFAULT_POLICY, build_policy
-from extproc.scheduling.scheduler import Scheduler
+from extproc.scheduling.scheduler import DecisionHook, Scheduler
 from extproc.serve.collectors import CalibrationCollector, CatalogCollector, UnknownProfileCollector
 from extproc.serve.loop_lag import watch_loop_lag
 from extproc.serve.memory import GcWatch, bound_young_generation, freeze_startup_heap, trim_forever
@@ -54,7 +56,7 @@ class Server:
     def __init__(self, settings: ServeSettings) -> None:
         self.settings = settings
         self.store = CatalogStore()
-        self.inflight = InFlight()
+        self.load = LoadView()
         self.metrics = Metrics()
         self.source: FileSource | KubeSource = (
             KubeSource(settings.source, on_reload=self._count_reload)
@@ -74,21 +76,31 @@ class Server:
         self.discovery = ModelDiscovery(declared=lambda: self._declared, on_change=self._republish)
         self.profiles = ProfileStore(settings.profiles)
         self.profiles.load()
+        scraping = settings.scrape_interval > 0
+        policy = self._policy(settings.policy or DEFAULT_POLICY)
+        hooks: list[DecisionHook] = [remember_affinity(self.prefix.matcher)]
+        if self._calibrating:
+            hooks.append(calibrate(self.calibration))
         self.scheduler = Scheduler(
-            lambda: self.store.current,
-            self.inflight,
+            self.load,
+            policy,
             max_fallbacks=settings.max_fallbacks,
             rng=random.Random(settings.seed),
-            prefix=self.prefix.scorer,
-            policy=self._policy(settings.policy or DEFAULT_POLICY),
-            signals=self.scraper.usable if settings.scrape_interval > 0 else None,
-            reachable=self.scraper.reachable if settings.scrape_interval > 0 else None,
+            prefix=self.prefix.matcher,
+            signals=self.scraper.usable if scraping else None,
+            reachable=self.scraper.reachable if scraping else None,
+            hooks=hooks,
+        )
+        self.control = RequestControl(
+            catalog=lambda: self.store.current,
+            scheduler=self.scheduler,
+            load=self.load,
             # Without scrapes nothing would notice the endpoint come back: it is not routed around.
-            on_unreachable=self.scraper.connection_failed if settings.scrape_interval > 0 else None,
-            on_retried_away=self.scraper.retried_away if settings.scrape_interval > 0 else None,
+            on_unreachable=self.scraper.connection_failed if scraping else None,
+            on_retried_away=self.scraper.retried_away if scraping else None,
         )
         self.budget = BodyBudget(settings.max_buffered_bytes)
-        self.metrics.registry.register(CatalogCollector(lambda: self.store.current, self.inflight.snapshot))
+        self.metrics.registry.register(CatalogCollector(lambda: self.store.current, self.load.snapshot))
         self.metrics.buffered_bytes.set_function(lambda: self.budget.held)
         self.metrics.registry.register(self.prefix.collector())
         self.grpc_port = 0
@@ -165,15 +177,17 @@ class Server:
             len(catalog.routes),
         )
 
+    @property
+    def _calibrating(self) -> bool:
+        return self.settings.calibrate and self.settings.scrape_interval > 0
+
     def _policy(self, name: str) -> Policy:
         profile_of = profile_lookup(self.profiles, lambda: self.store.current)
-        calibrating = self.settings.calibrate and self.settings.scrape_interval > 0
-        if calibrating:
+        if self._calibrating:
             profile_of = self.calibration.profile_of(profile_of)
         policy = build_policy(name, profile_of=profile_of)
         if isinstance(policy, PredictedTTFT):
-            if calibrating:
-                policy.on_pick = self.calibration.picked
+            if self._calibrating:
                 self.metrics.registry.register(CalibrationCollector(self.calibration))
             # Only a policy that reads profiles can be misled by a worker set naming an unknown one.
             self.metrics.registry.register(
@@ -221,7 +235,7 @@ class Server:
     async def _start_grpc(self) -> None:
         self._grpc = await ExtProcListener.start(
             listen=self.settings.listen,
-            router=self.scheduler,
+            router=self.control,
             metrics=self.metrics,
             max_body_bytes=self.settings.max_body_bytes,
             budget=self.budget,
@@ -271,8 +285,8 @@ class Server:
             "source": self.source.debug_state(),
             "catalogGeneration": self.store.generation,
             "catalog": self.store.current.to_debug(),
-            "inflight": dict(sorted(self.inflight.snapshot().items())),
-            "leaseHandover": self.scheduler.handover.debug_state(),
+            "inflight": dict(sorted(self.load.snapshot().items())),
+            "leaseHandover": self.control.handover.debug_state(),
             "prefix": self.prefix.debug_state(),
             "policy": self.scheduler.policy.name,
             "modelDiscovery": self.discovery.debug_state(),

@@ -20,7 +20,7 @@ churn (segments evicted from the tokenizer's cache, requests ending) the count s
 young generation grows: a probe saw ~23,000 objects in it, the leftovers of ~900 gRPC streams
 (grpcio leaves 5 cyclic objects per stream), collected in one go in ~10 ms by whichever thread
 allocated next, a tokenizing thread included, holding the GIL
-(bench/results/long_prompts_decided_runs.md). :func:`bound_young_generation` looks at its size on
+(docs/investigations/long_prompts_decided_runs.md). :func:`bound_young_generation` looks at its size on
 the loop every 50 ms and collects it past :data:`YOUNG_MAX_OBJECTS`.
 """
 

@@ -1,4 +1,4 @@
-"""Everything prefix-aware routing runs in ``serve``: index, ingest, subscriptions, follower, scorer.
+"""Everything prefix-aware routing runs in ``serve``: index, ingest, subscriptions, follower, matcher.
 
 Built from :class:`~extproc.settings.PrefixSettings` (tokenizers load here, so a bad path fails
 at startup); :meth:`start` follows the catalog store, :meth:`close` stops every subscription.
@@ -21,7 +21,7 @@ from extproc.kvindex.follow import KVEventsFollower
 from extproc.kvindex.index import PrefixIndex
 from extproc.kvindex.ingest import IndexIngest
 from extproc.kvindex.subscriptions import KVSubscriptions
-from extproc.scheduling.prefix import LOOP_HOLD_BUCKETS, LoopHold, PrefixScorer
+from extproc.scheduling.prefix import LOOP_HOLD_BUCKETS, LoopHold, PrefixMatcher
 from extproc.settings import PrefixSettings
 from extproc.tokenize.pool import TokenizePool
 from extproc.tokenize.registry import TokenizerRegistry
@@ -56,7 +56,7 @@ class PrefixRouting:
             if self.tokenizers.models() and settings.tokenize_threads != 0
             else None
         )
-        self.scorer = PrefixScorer(
+        self.matcher = PrefixMatcher(
             index=self.index,
             tokenizers=self.tokenizers,
             approx=self.approx,
@@ -162,7 +162,7 @@ class PrefixCollector(Collector):
             "approximate (our own routing history), none.",
             labels=["mode"],
         )
-        for mode, count in r.scorer.counters.lookups.items():
+        for mode, count in r.matcher.counters.lookups.items():
             lookups.add_metric([mode], count)
         yield lookups
         pool = r.tokenize_pool
@@ -199,7 +199,7 @@ class PrefixCollector(Collector):
                 "tree nothing a later prompt reuses (a conversation's next turn repeats its history).",
                 value=pool.skipped,
             )
-        counters = r.scorer.counters
+        counters = r.matcher.counters
         yield _hold_histogram(
             "extproc_tokenize_loop_seconds",
             "How long each prompt's tokenization held the event loop (rendering, finding its "
@@ -242,7 +242,7 @@ class PrefixCollector(Collector):
         yield CounterMetricFamily(
             "extproc_prefix_tokenize_errors",
             "Prompts the model's tokenizer or chat template could not process (routed approximately).",
-            value=r.scorer.counters.tokenize_errors,
+            value=r.matcher.counters.tokenize_errors,
         )
         batches = CounterMetricFamily(
             "extproc_kv_event_batches", "KV-event batches received, by outcome.", labels=["outcome"]

@@ -6,7 +6,7 @@ away mid-response cuts nothing. A second filter, in ``observability_mode`` and a
 one, sends the request headers (with the destination and the ``x-extproc-lease`` /
 ``x-extproc-prefill`` headers our routing answer set) and lasts until the response has ended. Its
 stream holds the request's in-flight lease for that long: the routing stream's own when it offered
-it in this process, else a new one (see :mod:`extproc.scheduling.handover`). Envoy ignores answers
+it in this process, else a new one (see :mod:`extproc.control.handover`). Envoy ignores answers
 in observability mode, so none are sent.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from extproc.control.load import Lease
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from extproc.scheduling.inflight import Lease
 from extproc.server import messages
 
 #: The pick's predicted prefill ("tokens,seconds"), set by the routing answer, so the accounting
@@ -28,11 +28,15 @@ _MAX_PREFILL_SECONDS = 3600.0
 
 
 class LeaseSource(Protocol):
-    """What an accounting stream needs from the routing side (defined here, by its consumer)."""
+    """What an accounting stream needs from request control (defined here, by its consumer)."""
 
-    def lease_for(
+    def accounting_lease(
         self, destination: str, *, token: str = "", prefill_tokens: int = 0, prefill_seconds: float = 0.0
-    ) -> Lease | None: ...
+    ) -> Lease | None:
+        """The request's lease, now this stream's to release (None: not an endpoint we know)."""
+        ...
+
+    def release(self, lease: Lease) -> None: ...
 
 
 class AccountingStream:
@@ -60,7 +64,7 @@ class AccountingStream:
         self._seen = True
         self._headers = messages.header_map(request.request_headers)
         tokens, seconds = prefill_hint(self._headers.get(PREFILL_HEADER, ""))
-        self.lease = self._source.lease_for(
+        self.lease = self._source.accounting_lease(
             self._headers.get(messages.DESTINATION_HEADER, ""),
             token=self._headers.get(LEASE_HEADER, ""),
             prefill_tokens=tokens,
@@ -71,7 +75,8 @@ class AccountingStream:
     def close(self) -> None:
         """The response has ended (or the client went away): the request no longer counts."""
         if self.lease is not None:
-            self.lease.release()
+            self._source.release(self.lease)
+            self.lease = None
 
 
 def prefill_hint(value: str) -> tuple[int, float]:

@@ -60,7 +60,7 @@ class ExtProcListener:
                 ("grpc.so_reuseport", 0),
                 # gRPC core cancels calls the application has not picked up yet once more than
                 # 1,000 wait (all of them past 3,000): a burst of 3,000 new streams lost 465 that
-                # way, reset with no trace in our logs (bench/results/burst.md). A waiting call
+                # way, reset with no trace in our logs (docs/investigations/burst.md). A waiting call
                 # costs a few KB; Envoy's own limits bound how many arrive.
                 ("grpc.server.max_pending_requests", _MAX_PENDING_CALLS),
                 ("grpc.server.max_pending_requests_hard_limit", _MAX_PENDING_CALLS),

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 #: stream by half-closing it and resetting it at once. A grpc.aio handler that has returned when the
 #: reset lands (its status racing the reset), or that still waits for a message (grpc/grpc#43360),
 #: leaves ~100-180 B of native memory behind per stream, for good; one that is neither reading nor
-#: done takes the reset and leaves none (``bench/results/stream_ends.md``: at 100 requests/s, ~60
+#: done takes the reset and leaves none (``docs/investigations/stream_ends.md``: at 100 requests/s, ~60
 #: MB an hour for accounting streams and ~35 MB for routing ones). So once nothing more can come, a
 #: stream stops reading and waits this long, then ends itself if Envoy has not. Counts end before
 #: the wait, and Envoy never waits for it. Below Envoy's default ``message_timeout`` (200 ms), in
@@ -43,7 +43,7 @@ _MALFORMED: LogLimiter[str] = LogLimiter(time.monotonic)
 
 
 class Routing(Router, LeaseSource, Protocol):
-    """What both kinds of stream need from the routing side (the scheduler)."""
+    """What both kinds of stream need from the routing side (request control)."""
 
 
 class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
@@ -146,8 +146,8 @@ class Receiver:
     When Envoy resets a stream, grpc.aio cancels the handler, and a receive cancelled with it keeps
     its operation array for good (grpc/grpc#43360: ~100 B per reset, and a reset comes with every
     request abandoned mid-answer). A receive left to finish on its own frees it
-    (``bench/grpc_resets.py``). The task costs the loop ~25 µs a message, so the messages of the
-    request itself, which Envoy sends at once, are received directly.
+    (``bench/investigations/grpc_resets.py``). The task costs the loop ~25 µs a message, so the
+    messages of the request itself, which Envoy sends at once, are received directly.
     """
 
     def __init__(self, messages_in: AsyncIterator[ep.ProcessingRequest]) -> None:

@@ -9,9 +9,10 @@ answer in the message the body mode allows:
 * FULL_DUPLEX_STREAMED: hold the headers answer until the body ends, then send it with the
   destination, followed by the body in chunks (we own the body in this mode).
 
-The in-flight lease taken at the decision is released by :meth:`RequestStream.close`, which the
-gRPC handler calls when the stream ends however it ends (Envoy keeps the stream open until the
-HTTP exchange is over), and earlier if Envoy tells us the response has completed.
+The stream asks request control (:mod:`extproc.control.requests`, behind the :class:`Router`
+protocol) for a routed request and reports what Envoy tells it: the response began, the upstream
+failed, the stream ended (:meth:`RequestStream.close`, which the gRPC handler calls however the
+stream ends). It never holds or releases a lease itself.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Coroutine
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeAlias
 
 from extproc.errors import BadRequest, BodyTooLarge, ModelNotFound, Overloaded, RequestError
 from extproc.openai import (
@@ -35,8 +36,6 @@ from extproc.openai import (
 )
 from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from extproc.scheduling.inflight import Lease
-from extproc.scheduling.prefix import Tokenized
 from extproc.scheduling.scheduler import Decision
 from extproc.server import messages
 from extproc.server.accounting import LEASE_HEADER, PREFILL_HEADER
@@ -77,39 +76,42 @@ class Pending:
         return [*(await self._answers), *self._after]
 
 
+class Routed(Protocol):
+    """A routed request, as its routing stream reports on it (defined here, by its consumer)."""
+
+    @property
+    def decision(self) -> Decision: ...
+
+    @property
+    def token(self) -> str:
+        """The token the accounting stream claims the request's lease with."""
+        ...
+
+    def response_started(self) -> None: ...
+
+    def stream_ended(self) -> None: ...
+
+    def unreachable(self, address: EndpointAddress) -> None:
+        """Envoy could not connect to ``address`` (the pick or a fallback)."""
+
+    def retried_away(self) -> None:
+        """Envoy gave up on the pick and retried elsewhere."""
+
+
+#: A routing outcome: at once, or once the prompt is tokenized off the event loop.
+Outcome: TypeAlias = Routed | Coroutine[Any, Any, Routed]
+
+
 class Router(Protocol):
     """What a stream needs from the routing side (defined here, by its consumer)."""
 
-    def schedule(
-        self,
-        request: InferenceRequest | None,
-        subset: frozenset[str] | None = None,
-        tokenized: Tokenized | None = None,
-    ) -> Decision: ...
+    def route(self, request: InferenceRequest | None, subset: frozenset[str] | None) -> Outcome:
+        """Decide and lease for ``request`` (None: a bodiless request); raises ``RequestError``."""
+        ...
 
-    def tokenizes_first(self, request: InferenceRequest) -> bool:
-        """True when the prompt is tokenized (off the event loop) before the decision."""
-        return False
-
-    async def tokenize(self, request: InferenceRequest) -> Tokenized | None:
-        """The prompt's token ids for :meth:`schedule` (None, or ids None: decide without them)."""
-        return None
-
-    def acquire(
-        self, address: EndpointAddress, *, prefill_tokens: int = 0, prefill_seconds: float = 0.0
-    ) -> Lease: ...
-
-    def offer(self, lease: Lease) -> str: ...
-
-    def routing_ended(self, token: str) -> None: ...
-
-    def models(self) -> list[tuple[str, str]]: ...
-
-    def unreachable(self, address: EndpointAddress) -> None:
-        """Envoy could not connect to ``address`` for a request we routed there."""
-
-    def retried_away(self, address: EndpointAddress) -> None:
-        """Envoy gave up on ``address`` for a request we routed there and retried elsewhere."""
+    def models(self) -> list[tuple[str, str]]:
+        """Every client-facing model name with its upstream name."""
+        ...
 
 
 class RequestStream:
@@ -134,8 +136,6 @@ class RequestStream:
         self._full_duplex = False
         self._headers: dict[str, str] = {}
         self._headers_seen = False
-        #: The token our routing answer offered the lease under (routing streams only).
-        self._token: str | None = None
         #: ``:path``, normalized once (see :func:`~extproc.openai.normalize_path`).
         self._path = ""
         self._subset: frozenset[str] | None = None
@@ -146,7 +146,8 @@ class RequestStream:
         self._headers_last = False
         #: The last message Envoy sends on this stream has been answered.
         self.exchange_over = False
-        self.lease: Lease | None = None
+        #: The routed request, once our answer named its destination.
+        self.routed: Routed | None = None
         #: The addresses our answer named (the pick and its fallbacks): the only ones a report on
         #: this stream may mark, so whatever reaches the gRPC port cannot take others out of
         #: rotation.
@@ -182,16 +183,10 @@ class RequestStream:
             return self._reject(error)
 
     def close(self) -> None:
-        """The stream ended: give the endpoint and any buffered body bytes back.
-
-        A routing stream's lease was offered to the request's accounting stream: the handover
-        releases it (at once, after a grace for a late accounting stream, or when that one ends).
-        """
+        """The stream ended: give any buffered body bytes back, and tell request control."""
         self._drop_body()
-        if self._token is not None:
-            self._router.routing_ended(self._token)  # the handover releases it, now or later
-        elif self.lease is not None:
-            self.lease.release()
+        if self.routed is not None:
+            self.routed.stream_ended()
 
     def _drop_body(self) -> None:
         self._budget.give(len(self._body))
@@ -199,7 +194,7 @@ class RequestStream:
 
     # -- request path -------------------------------------------------------------------------
 
-    def _on_request_headers(self, request: ep.ProcessingRequest) -> Responses:
+    def _on_request_headers(self, request: ep.ProcessingRequest) -> Responses | Pending:
         if self._headers_seen:
             # Envoy sends one request_headers per stream; a second one (anything else can reach
             # the gRPC port) must not take a second in-flight count that nothing would release.
@@ -217,7 +212,7 @@ class RequestStream:
             return [] if self._full_duplex else [messages.acknowledge("request_headers")]
         return self._bodiless()
 
-    def _bodiless(self) -> Responses:
+    def _bodiless(self) -> Responses | Pending:
         method, path = self._headers.get(":method", ""), self._path
         reading = method in ("GET", "HEAD")
         if reading and path == MODELS_PATH:
@@ -232,8 +227,7 @@ class RequestStream:
             # clients to send to a pod of our choosing; only reads pass without a model.
             raise BadRequest(f"{method} {path} needs a JSON body with a 'model' field")
         started = time.perf_counter()
-        decision = self._router.schedule(None, self._subset)
-        return [self._routed(decision, started, phase="headers")]
+        return self._when_routed(self._router.route(None, self._subset), None, b"", started, True)
 
     def _on_request_body(self, body: ep.HttpBody) -> Responses | Pending:
         if self._done:
@@ -267,39 +261,63 @@ class RequestStream:
         self._drop_body()
         self._metrics.body_bytes.observe(len(body))
         parsed = parse_request(body, path=self._path)
-        if self._router.tokenizes_first(parsed):
-            return Pending(self._decide_once_tokenized(parsed, body, started, end_of_stream))
-        decision = self._router.schedule(parsed, self._subset)
-        return self._answer_decision(decision, parsed, body, started, end_of_stream)
+        return self._when_routed(
+            self._router.route(parsed, self._subset), parsed, body, started, end_of_stream
+        )
 
-    async def _decide_once_tokenized(
-        self, parsed: InferenceRequest, body: bytes, started: float, end_of_stream: bool
+    def _when_routed(
+        self,
+        routing: Outcome,
+        parsed: InferenceRequest | None,
+        body: bytes,
+        started: float,
+        end_of_stream: bool,
+    ) -> Responses | Pending:
+        """The answers for a routing outcome, or a :class:`Pending` for one still to come."""
+        if isinstance(routing, Coroutine):
+            return Pending(self._answer_once_routed(routing, parsed, body, started, end_of_stream))
+        return self._answer_routed(routing, parsed, body, started, end_of_stream)
+
+    async def _answer_once_routed(
+        self,
+        routing: Coroutine[Any, Any, Routed],
+        parsed: InferenceRequest | None,
+        body: bytes,
+        started: float,
+        end_of_stream: bool,
     ) -> Responses:
         try:
-            tokenized = await self._router.tokenize(parsed)
-            decision = self._router.schedule(parsed, self._subset, tokenized)
-            return self._answer_decision(decision, parsed, body, started, end_of_stream)
+            routed = await routing
         except RequestError as error:
             return self._reject(error)
+        return self._answer_routed(routed, parsed, body, started, end_of_stream)
 
-    def _answer_decision(
-        self, decision: Decision, parsed: InferenceRequest, body: bytes, started: float, end_of_stream: bool
+    def _answer_routed(
+        self,
+        routed: Routed,
+        parsed: InferenceRequest | None,
+        body: bytes,
+        started: float,
+        end_of_stream: bool,
     ) -> Responses:
-        route = decision.route
+        self.routed = routed
+        if parsed is None:  # bodiless: the headers answer carries the destination
+            return [self._routed_answer(routed, started, phase="headers")]
+        route = routed.decision.route
         rewritten: bytes | None = None
         if route is not None and route.is_alias:
             rewritten = rewrite_model(parsed, route.upstream_model, body)
             self._metrics.model_rewrites.inc()
         if not self._full_duplex:
-            return [self._routed(decision, started, phase="body", body=rewritten)]
+            return [self._routed_answer(routed, started, phase="body", body=rewritten)]
         return [
-            self._routed(decision, started, phase="headers"),
+            self._routed_answer(routed, started, phase="headers"),
             *messages.streamed_body(body if rewritten is None else rewritten, end_of_stream=end_of_stream),
         ]
 
-    def _routed(
+    def _routed_answer(
         self,
-        decision: Decision,
+        routed: Routed,
         started: float,
         *,
         phase: Literal["headers", "body"],
@@ -307,11 +325,9 @@ class RequestStream:
     ) -> ep.ProcessingResponse:
         """The answer carrying the destination, in the message kind the phase calls for."""
         self._done = True
+        decision = routed.decision
         self._picked = frozenset(e.address for e in decision.endpoints)
         tokens, seconds = decision.prefill
-        self.lease = self._router.acquire(
-            decision.endpoints[0].address, prefill_tokens=tokens, prefill_seconds=seconds
-        )
         extra: dict[str, str] = {}
         if decision.route is not None:
             extra[MODEL_HEADER] = decision.route.upstream_model
@@ -321,8 +337,7 @@ class RequestStream:
             extra[DP_RANK_HEADER] = str(rank)
         # Always set (overwriting anything a client sent): the accounting stream
         # (:mod:`extproc.server.accounting`) reads them back.
-        self._token = self._router.offer(self.lease)
-        extra[LEASE_HEADER] = self._token
+        extra[LEASE_HEADER] = routed.token
         extra[PREFILL_HEADER] = f"{tokens},{seconds:.4f}"
         if body is not None:
             # BUFFERED keeps Content-Length; it must describe the rewritten body.
@@ -360,20 +375,25 @@ class RequestStream:
         if report.connect_failed:
             if report.address not in self._picked:
                 return
-            self._metrics.upstream_failures.labels("connect_failed").inc()
-            self._router.unreachable(EndpointAddress(report.address))
-        elif report.attempts > 1 and self.lease is not None and report.address != self.lease.address:
+            if self.routed is not None:
+                self._metrics.upstream_failures.labels("connect_failed").inc()
+                self.routed.unreachable(EndpointAddress(report.address))
+        elif (
+            report.attempts > 1
+            and self.routed is not None
+            and report.address != self.routed.decision.pick.address
+        ):
             # override_host: the pick failed (refused stream, reset, or a connection) and a retry
             # elsewhere (a fallback, or round robin's choice) answered.
             self._metrics.upstream_failures.labels("retried_away").inc()
-            self._router.retried_away(self.lease.address)
+            self.routed.retried_away()
 
     def _on_response(self, kind: str | None) -> Responses:
         if kind == "response_headers":
             self.exchange_over = self._headers_last
-        if kind == "response_headers" and self.lease is not None:
+        if kind == "response_headers" and self.routed is not None:
             # The engine answered: its prefill is done (the count now stands for decoding).
-            self.lease.first_token()
+            self.routed.response_started()
         if kind == "response_headers" and self._explanation:
             return [messages.response_headers_response(self._explanation)]
         if kind in ("response_headers", "response_body", "response_trailers"):
@@ -413,5 +433,6 @@ def explain(decision: Decision) -> dict[str, str]:
     }
     if prefix.prompt_tokens is not None:
         headers["x-extproc-prompt-tokens"] = str(prefix.prompt_tokens)
-    headers.update(decision.notes)
+    if decision.prediction is not None:
+        headers["x-extproc-predicted-ttft-ms"] = f"{decision.prediction.ttft_s * 1000:.1f}"
     return headers

@@ -124,7 +124,7 @@ def _collection_paused() -> Iterator[None]:
 
     Parsing a large file allocates millions of objects, and each full collection that triggers
     walks all of them while holding the GIL: the event loop (every decision) waited up to ~400 ms
-    for one (bench/results/catalog_stall.md). Young collections go on meanwhile: each walks only
+    for one (docs/investigations/catalog_stall.md). Young collections go on meanwhile: each walks only
     what was allocated since the one before (thousands of objects, well under a millisecond), so
     requests' garbage is still collected, and the parse's objects reach the oldest generation a few
     at a time instead of all at once when it ends.

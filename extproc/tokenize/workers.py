@@ -315,7 +315,7 @@ def lower_priority(nice: int) -> None:
     GIL: an idle-class thread preempted while it holds it (rendering a template) keeps the loop
     waiting until it runs again, which on cores full of other work can take a while; the switch
     interval serve sets while threads tokenize (0.2 ms) keeps such holds short, and the A/B in
-    ``bench/results/long_prompts_sched_idle_ab.md`` measured the small requests' p99 lower, not
+    ``docs/investigations/long_prompts_sched_idle_ab.md`` measured the small requests' p99 lower, not
     higher. Nothing where threads have no priority of their own."""
     if sys.platform != "linux":
         return

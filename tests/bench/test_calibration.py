@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import pytest
 
 from bench.calibration import play
-from bench.replay.run import Config, true_profile
+from bench.replay.arms import Config, true_profile
 from bench.replay.trace import TraceRequest
 from extproc.scheduling.fit import scaled
 from extproc.sim.engine_core import EngineParams

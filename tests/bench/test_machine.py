@@ -1,4 +1,5 @@
-"""The per-thread CPU accounting the stall diagnosis (bench/stall_cpu.py) reads serve's cores with."""
+"""The per-thread CPU accounting the stall diagnosis (bench/investigations/stall_cpu.py) reads
+serve's cores with."""
 
 from __future__ import annotations
 

@@ -11,9 +11,10 @@ import pytest
 # The benchmarks are not an installed package: import them from the repo root (see test_replay_trace).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.replay.arms import Arm, Config, default_arms
 from bench.replay.offline import OfflineReplay, router_batch
 from bench.replay.policies import RoundRobin
-from bench.replay.run import Arm, Config, default_arms, offline_arm, summarize
+from bench.replay.run import offline_arm, summarize
 from bench.replay.trace import TraceRequest
 from extproc.kvindex.decode import decode_batch
 from extproc.kvindex.events import BlockRemoved, DecodedBatch

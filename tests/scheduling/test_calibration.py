@@ -10,10 +10,10 @@ import pytest
 from extproc.catalog.model import Endpoint
 from extproc.scheduling import calibration
 from extproc.scheduling.calibration import Calibration
+from extproc.scheduling.engine_signals import EngineSignals
 from extproc.scheduling.fit import BOUND, MAX_MOVE, MIN_REQUESTS, Fit, scaled
-from extproc.scheduling.predictor import Prediction
+from extproc.scheduling.policy import Prediction
 from extproc.scheduling.profiles import Profile
-from extproc.scheduling.signals import EngineSignals
 from extproc.types import EndpointAddress, WorkerSetKey
 
 CONFIGURED = Profile(prefill_tokens_per_s=16_000, decode_base_ms=6.0, decode_per_seq_ms=0.15)

@@ -16,7 +16,7 @@ def test_least_loaded_first() -> None:
     """The endpoint with the fewest in-flight requests comes first, the rest in load order."""
     ranked = LeastInFlight().rank(FACTS, candidates([4, 1, 2], cached={1: 512}), random.Random(1))
     assert [c.endpoint.ip for c in ranked.candidates] == ["127.0.0.2", "127.0.0.3", "127.0.0.1"]
-    assert not ranked.shed and ranked.prefill == (0, 0.0)
+    assert not ranked.shed and ranked.prediction is None
 
 
 def test_ties_are_broken_evenly() -> None:

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from extproc.catalog.model import Endpoint
+from extproc.scheduling.engine_signals import EngineSignals
 from extproc.scheduling.policy import Candidate, Ranking, RequestFacts
 from extproc.scheduling.predictor import (
     PredictedTTFT,
@@ -16,7 +17,6 @@ from extproc.scheduling.predictor import (
     predict,
 )
 from extproc.scheduling.profiles import DEFAULT, Profile
-from extproc.scheduling.signals import EngineSignals
 from extproc.sim.engine_core import EngineCore, EngineParams, SimRequest
 from extproc.types import EndpointAddress, WorkerSetKey
 
@@ -210,10 +210,7 @@ def test_ranking_charges_the_prefill_work_a_pick_spends_but_notes_its_ttft() -> 
     for seed in range(8):
         ranked = policy().rank(request, [cold, holder], random.Random(seed))
         assert first(ranked) is holder
-        assert (
-            ranked.notes["x-extproc-predicted-ttft-ms"]
-            == f"{predict(request, holder, DEFAULT).ttft_s * 1000:.1f}"
-        )
+        assert ranked.prediction == predict(request, holder, DEFAULT)
         assert first(policy(ttft_only).rank(request, [cold, holder], random.Random(seed))) is cold
     spent = predict(request, cold, DEFAULT)
     assert spent.cost_s == pytest.approx(
@@ -241,18 +238,14 @@ def test_saturated_endpoints_rank_last_and_all_saturated_sheds() -> None:
     assert len(ranking.candidates) == 2  # still ranked, for a caller that does not shed
 
 
-def test_the_pick_is_told_to_calibration_unless_the_request_is_shed() -> None:
+def test_ranking_has_no_side_effects_and_notes_the_picks_prediction() -> None:
+    """rank() is pure: the same inputs and seed give the same ranking and prediction, every time."""
     p = replace(DEFAULT, max_num_seqs=8, max_num_batched_tokens=1024, queue_limit=2)
-    told: list[tuple[str, float]] = []
     chosen = policy(p)
-    chosen.on_pick = lambda endpoint, prediction: told.append((endpoint.ip, prediction.ttft_s))
-    hot = cand(1, in_flight=10, cached=3000, sig=signals(8, 2))
-    ranking = chosen.rank(facts(3100), [hot, cand(2, in_flight=9, sig=signals(8, 1))], random.Random(0))
-    assert told == [
-        ("10.0.0.2", pytest.approx(float(ranking.notes["x-extproc-predicted-ttft-ms"]) / 1000, abs=1e-4))
-    ]
-    assert chosen.rank(facts(3100), [hot, cand(2, in_flight=11, sig=signals(8, 3))], random.Random(0)).shed
-    assert len(told) == 1  # a shed request goes nowhere: no first token will ever match it
+    pool = [cand(1, in_flight=10, cached=3000, sig=signals(8, 2)), cand(2, in_flight=9, sig=signals(8, 1))]
+    rankings = [chosen.rank(facts(3100), pool, random.Random(0)) for _ in range(3)]
+    assert all(r == rankings[0] for r in rankings)
+    assert rankings[0].prediction == predict(facts(3100), pool[1], p)
 
 
 def test_without_a_queue_limit_nothing_is_saturated() -> None:
@@ -299,8 +292,7 @@ def test_each_endpoint_uses_its_worker_sets_profile() -> None:
     ranking = chosen.rank(facts(4000), [slow_pod, fast_pod], random.Random(0))
     assert first(ranking) is fast_pod
     best = ordered[0][0]
-    assert ranking.prefill == (best.uncached_tokens, best.ttft_s)
-    assert ranking.notes == {"x-extproc-predicted-ttft-ms": f"{best.ttft_s * 1000:.1f}"}
+    assert ranking.prediction == best
     assert chosen.name == "predicted-ttft"
 
 

@@ -2,7 +2,7 @@
 
 The catalog comes from the real builder; the index is fed real vLLM payloads (the simulator's
 encoder) for the prompt's token ids as the shipped tokenizer and llama3 template produce them,
-computed here independently of the scorer.
+computed here independently of the matcher.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from extproc.kvindex.index import PrefixIndex
 from extproc.kvindex.ingest import IndexIngest
 from extproc.kvindex.keys import block_keys, namespace_seed
 from extproc.openai import InferenceRequest, parse_request, read_request
-from extproc.scheduling.prefix import PrefixMatch, PrefixScorer, Tokenized
+from extproc.scheduling.prefix import PrefixMatch, PrefixMatcher, Tokenized
 from extproc.settings import TokenizerSpec
 from extproc.sim.kv_events import BlockStored
 from extproc.sim.kv_wire import encode_batch
@@ -107,7 +107,7 @@ def estimated_tokens(path: str, payload: dict[str, Any]) -> int:
 
 
 class Router:
-    """A catalog, an index registered from it (as the follower does) and a scorer over both."""
+    """A catalog, an index registered from it (as the follower does) and a matcher over both."""
 
     def __init__(
         self,
@@ -121,7 +121,7 @@ class Router:
         for source, plan in plan_sources(self.catalog).items():
             self.index.add_source(source, namespace=plan.namespace, block_size=plan.block_size)
         self.ingest = IndexIngest(self.index)
-        self.scorer = PrefixScorer(
+        self.matcher = PrefixMatcher(
             index=self.index,
             tokenizers=registry,
             approx=ApproxPrefixIndex(),
@@ -141,7 +141,7 @@ class Router:
         route = self.route(model)
         candidates = [e for e in route.endpoints if only is None or e.address in only]
         request = read_request(path, {"model": model, **payload})
-        return self.scorer.match(self.catalog, route, request, candidates)
+        return self.matcher.match(self.catalog, route, request, candidates)
 
     def feed(
         self,
@@ -196,8 +196,8 @@ def test_precise_credits_each_endpoint_with_the_blocks_it_holds(path: str, paylo
     assert match.mode == "precise"
     assert match.cached_tokens == {KV1: 5 * 16, KV2: 0, BIG: 2 * 32, PLAIN: 0}
     assert match.prompt_tokens == len(tokens)
-    assert router.scorer.counters.lookups == {"precise": 1, "approximate": 0, "none": 0}
-    assert router.scorer.counters.tokenize_errors == 0
+    assert router.matcher.counters.lookups == {"precise": 1, "approximate": 0, "none": 0}
+    assert router.matcher.counters.tokenize_errors == 0
 
 
 @pytest.mark.parametrize(("path", "payload"), PROMPTS, ids=PROMPT_IDS)
@@ -238,7 +238,7 @@ def test_approximate_affinity_keeps_salted_prompts_apart() -> None:
     """Where we only remember our own decisions, a salted prompt follows only its own salt."""
     router = Router()
     first = router.match(QWEN, COMPLETIONS, {"prompt": LONG, "cache_salt": "tenant-a"})
-    router.scorer.record(first, Q1)
+    router.matcher.record(first, Q1)
     assert router.match(QWEN, COMPLETIONS, {"prompt": LONG, "cache_salt": "tenant-a"}).cached_tokens[Q1] > 0
     assert router.match(QWEN, COMPLETIONS, {"prompt": LONG}).cached_tokens[Q1] == 0
     assert router.match(QWEN, COMPLETIONS, {"prompt": LONG, "cache_salt": "tenant-b"}).cached_tokens[Q1] == 0
@@ -253,13 +253,13 @@ def test_untokenizable_request_falls_back_to_approximate() -> None:
     assert first.mode == "approximate" and first.prompt_tokens == estimated_tokens(CHAT, payload)
     assert first.cached_tokens == {KV1: 0, KV2: 0, BIG: 0, PLAIN: 0}
     assert first.approx_keys
-    router.scorer.record(first, KV2)
+    router.matcher.record(first, KV2)
     second = router.match(LLAMA, CHAT, payload)
     assert second.mode == "approximate"
     assert second.cached_tokens[KV2] == len(first.approx_keys) * APPROX_TOKENS_PER_BLOCK > 0
     assert {a: n for a, n in second.cached_tokens.items() if a != KV2} == {KV1: 0, BIG: 0, PLAIN: 0}
-    assert router.scorer.counters.tokenize_errors == 2
-    assert router.scorer.counters.lookups == {"precise": 0, "approximate": 2, "none": 0}
+    assert router.matcher.counters.tokenize_errors == 2
+    assert router.matcher.counters.lookups == {"precise": 0, "approximate": 2, "none": 0}
 
 
 @pytest.mark.parametrize(
@@ -284,11 +284,11 @@ def test_model_without_tokenizer_learns_from_recorded_decisions(
     before = router.match(QWEN, path, first)
     assert before.mode == "approximate"
     assert before.cached_tokens == {Q1: 0, Q2: 0}
-    router.scorer.record(before, Q1)
+    router.matcher.record(before, Q1)
     after = router.match(QWEN, path, second)
     assert after.mode == "approximate"
     assert after.cached_tokens == {Q1: shared_chunks * APPROX_TOKENS_PER_BLOCK, Q2: 0}
-    assert router.scorer.counters.tokenize_errors == 0
+    assert router.matcher.counters.tokenize_errors == 0
 
 
 def test_endpoints_without_kv_events_are_matched_approximately() -> None:
@@ -299,13 +299,13 @@ def test_endpoints_without_kv_events_are_matched_approximately() -> None:
     only_plain = router.match(LLAMA, path, payload, only=[PLAIN])
     assert only_plain.mode == "approximate" and only_plain.prompt_tokens == estimated_tokens(path, payload)
     assert only_plain.cached_tokens == {PLAIN: 0}
-    router.scorer.record(only_plain, PLAIN)
+    router.matcher.record(only_plain, PLAIN)
     mixed = router.match(LLAMA, path, payload)
     assert mixed.mode == "precise"
     learned = len(only_plain.approx_keys) * APPROX_TOKENS_PER_BLOCK
     assert learned > 0
     assert mixed.cached_tokens == {KV1: 3 * 16, KV2: 0, BIG: 0, PLAIN: learned}
-    assert router.scorer.counters.lookups == {"precise": 1, "approximate": 1, "none": 0}
+    assert router.matcher.counters.lookups == {"precise": 1, "approximate": 1, "none": 0}
 
 
 @pytest.mark.parametrize(("path", "payload"), PROMPTS, ids=PROMPT_IDS)
@@ -318,7 +318,7 @@ def test_model_blocked_by_tokenizer_parity_is_matched_approximately(
     match = router.match(LLAMA, path, payload)
     assert match.mode == "approximate" and match.prompt_tokens == estimated_tokens(path, payload)
     assert match.cached_tokens == {KV1: 0, KV2: 0, BIG: 0, PLAIN: 0}
-    assert router.scorer.counters.tokenize_errors == 0
+    assert router.matcher.counters.tokenize_errors == 0
 
 
 @pytest.mark.parametrize(
@@ -339,7 +339,7 @@ def test_tokenizer_is_not_consulted_without_kv_event_candidates() -> None:
     router = Router()
     match = router.match(LLAMA, CHAT, {"messages": [{"role": "wizard", "content": LONG}]}, only=[PLAIN])
     assert match.mode == "approximate"
-    assert router.scorer.counters.tokenize_errors == 0
+    assert router.matcher.counters.tokenize_errors == 0
 
 
 @pytest.mark.parametrize(
@@ -366,10 +366,10 @@ def test_requests_without_a_prompt_match_nothing(
     router = Router()
     match = router.match(model, path, payload)
     assert match == PrefixMatch("none")
-    router.scorer.record(match, Q1)
-    assert len(router.scorer.approx) == 0
-    assert router.scorer.counters.lookups == {"precise": 0, "approximate": 0, "none": 1}
-    assert router.scorer.counters.tokenize_errors == tokenize_errors
+    router.matcher.record(match, Q1)
+    assert len(router.matcher.approx) == 0
+    assert router.matcher.counters.lookups == {"precise": 0, "approximate": 0, "none": 1}
+    assert router.matcher.counters.tokenize_errors == tokenize_errors
 
 
 def test_lookups_are_counted_per_mode() -> None:
@@ -382,7 +382,7 @@ def test_lookups_are_counted_per_mode() -> None:
         router.match(QWEN, path, payload)
     router.match(LLAMA, path, payload, only=[PLAIN])
     router.match(LLAMA, "/v1/embeddings", {"input": "x"})
-    assert router.scorer.counters.lookups == {"precise": 3, "approximate": 3, "none": 1}
+    assert router.matcher.counters.lookups == {"precise": 3, "approximate": 3, "none": 1}
 
 
 def dp_catalog(ips: list[str]) -> Catalog:
@@ -404,7 +404,7 @@ def match_after_rank1_stores(catalog: Catalog, *, medium: str) -> PrefixMatch:
     event = BlockStored(tuple(digests), None, tuple(tokens[: 3 * 16]), 16, None, None, medium=medium)
     payload_bytes = encode_batch([event], ts=0.0, dp_rank=1, encoding="maps", hash_format="int")
     IndexIngest(index).on_batch(Source(EndpointAddress("10.0.9.1:8000"), 1), 0, payload_bytes)
-    scorer = PrefixScorer(index=index, tokenizers=REGISTRY, approx=ApproxPrefixIndex())
+    scorer = PrefixMatcher(index=index, tokenizers=REGISTRY, approx=ApproxPrefixIndex())
     route = catalog.resolve(LLAMA)
     assert route is not None
     return scorer.match(catalog, route, read_request(path, {"model": LLAMA, **payload}), route.endpoints)
@@ -471,10 +471,10 @@ async def test_tokens_computed_in_the_pool_match_as_inline_ones(path: str, paylo
         router.feed(KV1, tokens, 5)
         route = router.route(LLAMA)
         request = as_sent(path, {"model": LLAMA, **payload})
-        assert router.scorer.tokenizes_first(route, request) == (len(request.body) >= 4096)
-        tokenized = await router.scorer.prompt_tokens(route, request)
+        assert router.matcher.tokenizes_first(route, request) == (len(request.body) >= 4096)
+        tokenized = await router.matcher.prompt_tokens(route, request)
         assert tokenized == Tokenized(LLAMA, tokens)
-        match = router.scorer.match(router.catalog, route, request, route.endpoints, tokenized)
+        match = router.matcher.match(router.catalog, route, request, route.endpoints, tokenized)
         assert (match.mode, match.cached_tokens[KV1], match.prompt_tokens) == ("precise", 5 * 16, len(tokens))
         assert match == router.match(LLAMA, path, payload)  # the inline path agrees
     finally:
@@ -494,7 +494,7 @@ async def test_tokens_computed_in_a_worker_process_match_as_inline_ones(
         router.feed(KV1, tokens, 5)
         route = router.route(LLAMA)
         request = parse_request(orjson.dumps({"model": LLAMA, **payload}), path=path)
-        tokenized = await router.scorer.prompt_tokens(route, request, router.catalog)
+        tokenized = await router.matcher.prompt_tokens(route, request, router.catalog)
         assert tokenized.ids is not None and list(tokenized.ids) == tokens
         # The block keys came from the worker too, for both block sizes of LLAMA's KV-event sets,
         # equal to this process's (a tuple of ints hashes alike in every process).
@@ -502,18 +502,18 @@ async def test_tokens_computed_in_a_worker_process_match_as_inline_ones(
         assert {size: list(keys) for size, keys in tokenized.keys.items()} == {
             size: block_keys(tokens, size, seed) for size in (16, 32)
         }
-        match = router.scorer.match(router.catalog, route, request, route.endpoints, tokenized)
+        match = router.matcher.match(router.catalog, route, request, route.endpoints, tokenized)
         assert match == router.match(LLAMA, path, payload)
         # A salted body's keys come from the worker under the salted seed.
         salted = parse_request(orjson.dumps({"model": LLAMA, "cache_salt": "t", **payload}), path=path)
-        salted_keys = (await router.scorer.prompt_tokens(route, salted, router.catalog)).keys
+        salted_keys = (await router.matcher.prompt_tokens(route, salted, router.catalog)).keys
         assert list(salted_keys[16]) == block_keys(tokens, 16, namespace_seed(LLAMA, "t"))
         # A body the engine would refuse is counted, and routed approximately.
         refused = parse_request(
             orjson.dumps({"model": LLAMA, "messages": [{"role": "user", "content": 42}]}), path=CHAT
         )
-        assert await router.scorer.prompt_tokens(route, refused) == Tokenized(LLAMA, None)
-        assert router.scorer.counters.tokenize_errors == 1
+        assert await router.matcher.prompt_tokens(route, refused) == Tokenized(LLAMA, None)
+        assert router.matcher.counters.tokenize_errors == 1
     finally:
         pool.close()
 
@@ -528,10 +528,10 @@ async def test_a_prompt_not_tokenized_within_its_budget_is_matched_approximately
         pool.workers.submit(busy.wait, b"")
         route = router.route(LLAMA)
         request = read_request(COMPLETIONS, {"model": LLAMA, "prompt": LONG * 20})
-        tokenized = await router.scorer.prompt_tokens(route, request)
+        tokenized = await router.matcher.prompt_tokens(route, request)
         assert tokenized == Tokenized(LLAMA, None)
         assert pool.fallbacks["budget"] == 1
-        match = router.scorer.match(router.catalog, route, request, route.endpoints, tokenized)
+        match = router.matcher.match(router.catalog, route, request, route.endpoints, tokenized)
         assert match.mode == "approximate" and match.prompt_tokens == len(LONG * 20) // CHARS_PER_TOKEN
     finally:
         busy.set()
@@ -544,11 +544,11 @@ async def test_without_a_tokenizer_or_kv_events_nothing_is_tokenized_first() -> 
     try:
         long = as_sent(COMPLETIONS, {"model": LLAMA, "prompt": LONG * 20})
         short = as_sent(COMPLETIONS, {"model": LLAMA, "prompt": "Hello"})
-        assert router.scorer.tokenizes_first(router.route(LLAMA), long)
-        assert not router.scorer.tokenizes_first(router.route(LLAMA), short)  # cheaper inline
+        assert router.matcher.tokenizes_first(router.route(LLAMA), long)
+        assert not router.matcher.tokenizes_first(router.route(LLAMA), short)  # cheaper inline
         qwen = as_sent(COMPLETIONS, {"model": QWEN, "prompt": LONG * 20})
-        assert not router.scorer.tokenizes_first(router.route(QWEN), qwen)  # KV events, no tokenizer
-        assert not Router().scorer.tokenizes_first(router.route(LLAMA), long)  # no pool: inline
+        assert not router.matcher.tokenizes_first(router.route(QWEN), qwen)  # KV events, no tokenizer
+        assert not Router().matcher.tokenizes_first(router.route(LLAMA), long)  # no pool: inline
     finally:
         pool.close()
 
@@ -575,9 +575,9 @@ async def test_a_conversation_walked_through_the_segment_tree_is_credited_as_wit
                 router.feed(KV1, tokens, len(tokens) // 16 - 1)
             request = read_request(CHAT, {"model": LLAMA, **payload})
             if pooled:
-                tokenized = await tree.scorer.prompt_tokens(route, request)
+                tokenized = await tree.matcher.prompt_tokens(route, request)
                 assert tokenized.path is not None and list(tokenized.ids or []) == tokens
-                match = tree.scorer.match(tree.catalog, route, request, route.endpoints, tokenized)
+                match = tree.matcher.match(tree.catalog, route, request, route.endpoints, tokenized)
             else:
                 match = tree.match(LLAMA, CHAT, payload)
             assert match == plain.match(LLAMA, CHAT, payload)
@@ -591,7 +591,7 @@ async def test_a_conversation_walked_through_the_segment_tree_is_credited_as_wit
 
 
 def tree_of(router: Router) -> SegmentCache:
-    entry = router.scorer.tokenizers.get(LLAMA)
+    entry = router.matcher.tokenizers.get(LLAMA)
     assert entry is not None and entry.tokenizer.segment_cache is not None
     return entry.tokenizer.segment_cache
 
@@ -608,14 +608,14 @@ async def test_a_long_prompts_block_keys_come_from_the_pool_with_its_ids() -> No
         router.feed(KV1, tokens, 7)
         route = router.route(LLAMA)
         request = as_sent(CHAT, {"model": LLAMA, **payload})
-        assert router.scorer.tokenizes_first(route, request)
-        tokenized = await router.scorer.prompt_tokens(route, request, router.catalog)
+        assert router.matcher.tokenizes_first(route, request)
+        tokenized = await router.matcher.prompt_tokens(route, request, router.catalog)
         assert tokenized.path is not None  # walked the segment tree
         seed = namespace_seed(LLAMA, None)
         assert {size: list(keys) for size, keys in tokenized.keys.items()} == {
             size: block_keys(tuple(tokens), size, seed) for size in (16, 32)
         }
-        match = router.scorer.match(router.catalog, route, request, route.endpoints, tokenized)
+        match = router.matcher.match(router.catalog, route, request, route.endpoints, tokenized)
         assert (match.mode, match.cached_tokens[KV1]) == ("precise", 7 * 16)
         assert match == router.match(LLAMA, CHAT, payload)  # tokenized inline, keyed at match
     finally:
@@ -633,13 +633,13 @@ async def test_a_prompt_past_its_budget_still_teaches_the_tree() -> None:
         route = router.route(LLAMA)
         payload = {"messages": [{"role": "system", "content": LONG * 20}, {"role": "user", "content": "Hi"}]}
         request = read_request(CHAT, {"model": LLAMA, **payload})
-        assert await router.scorer.prompt_tokens(route, request) == Tokenized(LLAMA, None)
+        assert await router.matcher.prompt_tokens(route, request) == Tokenized(LLAMA, None)
         busy.set()
         for _ in range(200):
             if pool.pending == 0:
                 break
             await asyncio.sleep(0.01)
-        tokenized = await router.scorer.prompt_tokens(route, request)
+        tokenized = await router.matcher.prompt_tokens(route, request)
         assert tokenized.path is not None and list(tokenized.ids or []) == engine_tokens(CHAT, payload)
         assert tree_of(router).stats.hits >= len(tokenized.path.segments)
     finally:
@@ -661,7 +661,7 @@ async def test_only_a_conversations_next_turn_past_its_budget_teaches_the_tree()
         busy.clear()
         holding = asyncio.create_task(pool.run(busy.wait))  # the only worker, taken through the pool
         await asyncio.sleep(0.01)
-        assert await router.scorer.prompt_tokens(route, request) == Tokenized(LLAMA, None)
+        assert await router.matcher.prompt_tokens(route, request) == Tokenized(LLAMA, None)
         busy.set()
         await holding
         for _ in range(200):
@@ -681,7 +681,7 @@ async def test_only_a_conversations_next_turn_past_its_budget_teaches_the_tree()
         messages += [{"role": "assistant", "content": "Another."}, {"role": "user", "content": "Then?"}]
         request = parse_request(orjson.dumps({"model": LLAMA, "messages": messages}), path=CHAT)
         hits = tree_of(router).stats.hits
-        tokenized = await router.scorer.prompt_tokens(route, request)
+        tokenized = await router.matcher.prompt_tokens(route, request)
         assert tokenized.path is not None and list(tokenized.ids or []) == engine_tokens(
             CHAT, {"messages": messages}
         )
@@ -702,9 +702,9 @@ async def test_how_long_tokenizing_held_the_loop_is_observed_once_per_prompt() -
         for turn in ("Hi", "And then?", LONG * 20):
             payload = {"messages": [*history, {"role": "user", "content": turn}]}
             request = read_request(CHAT, {"model": LLAMA, **payload})
-            tokenized = await router.scorer.prompt_tokens(route, request)
+            tokenized = await router.matcher.prompt_tokens(route, request)
             assert list(tokenized.ids or []) == engine_tokens(CHAT, payload)
-        counters = router.scorer.counters
+        counters = router.matcher.counters
         for hold in (counters.loop_hold, counters.loop_hold_cpu):
             assert sum(hold.counts) == 3 and hold.total > 0
         # The loop thread cannot have spent more CPU time than wall time (with the clocks' grain).
@@ -717,6 +717,6 @@ def test_without_a_pool_tokenizing_in_the_decision_is_observed_as_holding_the_lo
     router = Router()
     payload = {"messages": [{"role": "user", "content": "Hi"}]}
     assert router.match(LLAMA, CHAT, payload).mode == "precise"
-    counters = router.scorer.counters
+    counters = router.matcher.counters
     for hold in (counters.loop_hold, counters.loop_hold_cpu):
         assert sum(hold.counts) == 1 and hold.total > 0

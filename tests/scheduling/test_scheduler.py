@@ -1,18 +1,24 @@
-"""The scheduler with a prefix scorer: cached prompt tokens decide, load breaks ties, decisions learn."""
+"""The scheduler with a prefix matcher, through request control: cached prompt tokens decide, load
+breaks ties, decisions learn."""
 
 from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Coroutine
 from typing import Any
 
 import pytest
+from control.test_load import lease
 
+from extproc.control.load import LoadView
+from extproc.control.requests import RequestControl
 from extproc.errors import ModelNotFound, NoReadyEndpoint
 from extproc.openai import InferenceRequest, read_request
-from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.cache_then_load import CacheThenLoad
+from extproc.scheduling.hooks import remember_affinity
 from extproc.scheduling.prefix import NO_MATCH
-from extproc.scheduling.scheduler import Scheduler
+from extproc.scheduling.scheduler import Decision, Scheduler
 from scheduling.test_prefix import (
     BIG,
     CHAT,
@@ -36,31 +42,46 @@ def req(model: str, path: str, payload: dict[str, Any]) -> InferenceRequest:
     return read_request(path, {"model": model, **payload})
 
 
+class Deciding:
+    """Request control's decision path (resolve once, decide, learn), without keeping the lease."""
+
+    def __init__(self, control: RequestControl) -> None:
+        self._control = control
+
+    def schedule(self, request: InferenceRequest | None, subset: frozenset[str] | None = None) -> Decision:
+        routed = self._control.route(request, subset)
+        assert not isinstance(routed, Coroutine), "no tokenizing pool here: decided at once"
+        self._control.release(routed.lease)
+        return routed.decision
+
+
 def make_scheduler(
-    router: Router | None, inflight: InFlight, *, seed: int = 1, max_fallbacks: int = 3
-) -> Scheduler:
+    router: Router | None, load: LoadView, *, seed: int = 1, max_fallbacks: int = 3
+) -> Deciding:
     catalog = (router or Router()).catalog
-    return Scheduler(
-        lambda: catalog,
-        inflight,
+    scheduler = Scheduler(
+        load,
+        CacheThenLoad(),
         max_fallbacks=max_fallbacks,
         rng=random.Random(seed),
-        prefix=None if router is None else router.scorer,
+        prefix=None if router is None else router.matcher,
+        hooks=() if router is None else (remember_affinity(router.matcher),),
     )
+    return Deciding(RequestControl(catalog=lambda: catalog, scheduler=scheduler, load=load))
 
 
-def busy(inflight: InFlight, **counts: int) -> None:
-    """Take ``counts[name]`` leases on the endpoint of that name (KV1, KV2, ...)."""
+def busy(load: LoadView, **counts: int) -> None:
+    """Add ``counts[name]`` leases on the endpoint of that name (KV1, KV2, ...)."""
     named = {"KV1": KV1, "KV2": KV2, "BIG": BIG, "PLAIN": PLAIN, "Q1": Q1, "Q2": Q2}
     for name, count in counts.items():
         for _ in range(count):
-            inflight.acquire(named[name])
+            load.add(lease(named[name]))
 
 
 @pytest.mark.parametrize(("path", "payload"), PROMPTS, ids=PROMPT_IDS)
 def test_precise_holder_wins_over_less_loaded_pods(path: str, payload: dict[str, Any]) -> None:
     """The pod holding the most of the prompt goes first even when busier; fallbacks follow the same order."""
-    router, inflight = Router(), InFlight()
+    router, inflight = Router(), LoadView()
     tokens = engine_tokens(path, payload)
     router.feed(KV2, tokens, 6)
     router.feed(BIG, tokens, 2, engine_block=32)
@@ -74,11 +95,11 @@ def test_precise_holder_wins_over_less_loaded_pods(path: str, payload: dict[str,
 
 def test_precise_decision_records_nothing() -> None:
     """When every candidate publishes KV events, the engines' events are the only memory."""
-    router, inflight = Router(), InFlight()
+    router, inflight = Router(), LoadView()
     path, payload = PROMPTS[0]
     decision = make_scheduler(router, inflight).schedule(req(LLAMA, path, payload), frozenset({KV1, KV2}))
     assert decision.prefix.mode == "precise" and decision.prefix.approx_keys == []
-    assert len(router.scorer.approx) == 0
+    assert len(router.matcher.approx) == 0
 
 
 @pytest.mark.parametrize(
@@ -97,13 +118,13 @@ def test_approximate_decisions_are_recorded_and_followed(
     path: str, first: dict[str, Any], second: dict[str, Any]
 ) -> None:
     """Without a tokenizer, a request sharing an earlier prefix follows it to its pod, even when busier."""
-    router, inflight = Router(), InFlight()
+    router, inflight = Router(), LoadView()
     scheduler = make_scheduler(router, inflight)
     one = scheduler.schedule(req(QWEN, path, first))
     assert one.prefix.mode == "approximate" and one.prefix.cached_tokens == {Q1: 0, Q2: 0}
-    assert len(router.scorer.approx) == len(one.prefix.approx_keys) > 0
+    assert len(router.matcher.approx) == len(one.prefix.approx_keys) > 0
     went = one.endpoints[0].address
-    inflight.acquire(went)
+    inflight.add(lease(went))
     two = scheduler.schedule(req(QWEN, path, second))
     assert two.endpoints[0].address == went
     assert two.prefix.mode == "approximate" and two.prefix.cached_tokens[went] > 0
@@ -111,7 +132,7 @@ def test_approximate_decisions_are_recorded_and_followed(
 
 def test_without_prefix_scorer_or_prompt_the_least_loaded_wins() -> None:
     """No scorer, or no body: load alone decides and the decision carries no match."""
-    router, inflight = Router(), InFlight()
+    router, inflight = Router(), LoadView()
     path, payload = PROMPTS[0]
     router.feed(KV2, engine_tokens(path, payload), 6)
     busy(inflight, KV2=1, KV1=1, BIG=1)
@@ -120,22 +141,22 @@ def test_without_prefix_scorer_or_prompt_the_least_loaded_wins() -> None:
     assert decision.prefix is NO_MATCH
     bodiless = make_scheduler(router, inflight).schedule(None)
     assert bodiless.route is None and bodiless.prefix is NO_MATCH
-    assert router.scorer.counters.lookups == {"precise": 0, "approximate": 0, "none": 0}
+    assert router.matcher.counters.lookups == {"precise": 0, "approximate": 0, "none": 0}
 
 
 def test_requests_without_a_prompt_are_scheduled_by_load_and_not_recorded() -> None:
     """An embeddings request is matched in mode none: least loaded wins, nothing is learned."""
-    router, inflight = Router(), InFlight()
+    router, inflight = Router(), LoadView()
     busy(inflight, Q1=2)
     decision = make_scheduler(router, inflight).schedule(req(QWEN, "/v1/embeddings", {"input": "x" * 500}))
     assert decision.endpoints[0].address == Q2
     assert decision.prefix.mode == "none"
-    assert len(router.scorer.approx) == 0
+    assert len(router.matcher.approx) == 0
 
 
 def test_subset_is_applied_before_scoring() -> None:
     """A holder outside the gateway's subset hint is neither scored nor picked."""
-    router, inflight = Router(), InFlight()
+    router, inflight = Router(), LoadView()
     path, payload = PROMPTS[0]
     router.feed(KV2, engine_tokens(path, payload), 6)
     decision = make_scheduler(router, inflight).schedule(
@@ -147,7 +168,7 @@ def test_subset_is_applied_before_scoring() -> None:
 
 def test_equal_cache_ties_are_spread() -> None:
     """Two pods holding the same prefix with equal load share the requests."""
-    router, inflight = Router(), InFlight()
+    router, inflight = Router(), LoadView()
     path, payload = PROMPTS[1]
     tokens = engine_tokens(path, payload)
     router.feed(KV1, tokens, 4)
@@ -169,5 +190,5 @@ def test_errors_come_before_any_lookup(
     """Unknown models and empty subsets fail without a prefix lookup."""
     router = Router()
     with pytest.raises(error):
-        make_scheduler(router, InFlight()).schedule(req(model, *PROMPTS[0]), subset)
-    assert router.scorer.counters.lookups == {"precise": 0, "approximate": 0, "none": 0}
+        make_scheduler(router, LoadView()).schedule(req(model, *PROMPTS[0]), subset)
+    assert router.matcher.counters.lookups == {"precise": 0, "approximate": 0, "none": 0}

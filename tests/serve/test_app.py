@@ -66,7 +66,7 @@ async def test_not_ready_until_catalog_loaded() -> None:
 
 async def test_metrics_and_debug_state(server: Server) -> None:
     """/metrics exposes catalog and request metrics; /debug/state shows routes and in-flight counts."""
-    lease = server.inflight.acquire(server.store.current.routes["chat"].endpoints[0].address)  # type: ignore[index]
+    lease = server.control.acquire(server.store.current.routes["chat"].endpoints[0].address)  # type: ignore[index]
     base = f"http://127.0.0.1:{server.admin_port}"
     async with aiohttp.ClientSession() as s:
         async with s.get(base + "/metrics") as r:
@@ -76,7 +76,7 @@ async def test_metrics_and_debug_state(server: Server) -> None:
             state = await r.json()
         async with s.post(base + "/debug/state") as r:
             assert r.status == 405, "the admin port is read-only"
-    lease.release()
+    server.control.release(lease)
     assert 'extproc_worker_set_ready_endpoints{worker_set="default/llama-3-8b"} 2.0' in text
     assert 'extproc_inflight_requests{endpoint="127.0.0.1:8000"} 1.0' in text
     assert "extproc_catalog_models 4.0" in text

@@ -26,16 +26,16 @@ def test_an_accounting_stream_holds_the_lease_of_the_routed_request_until_it_end
     """Observability-mode messages get no answer; the endpoint our header named is counted (with
     the routed request's predicted prefill) until the stream ends."""
     h = Harness()
-    s = AccountingStream(h.scheduler)
+    s = AccountingStream(h.control)
     assert s.handle(observing("127.0.0.2:8000,127.0.0.1:8000", "800,0.0500")) == []
-    assert h.inflight.snapshot() == {"127.0.0.2:8000": 1}
-    assert h.inflight.pending_prefill(EndpointAddress("127.0.0.2:8000")) == (800, 1)
+    assert h.load.snapshot() == {"127.0.0.2:8000": 1}
+    assert h.load.pending_prefill(EndpointAddress("127.0.0.2:8000")) == (800, 1)
     response = ep.ProcessingRequest()
     response.response_headers.end_of_stream = False
     response.observability_mode = True
     assert s.handle(response) == []
     s.close()
-    assert h.inflight.snapshot() == {}
+    assert h.load.snapshot() == {}
 
 
 @pytest.mark.parametrize(
@@ -48,15 +48,15 @@ def test_an_accounting_stream_never_counts_what_we_did_not_route(
 ) -> None:
     """Addresses outside the catalog take no count (anyone can reach the port); odd hints count as 0."""
     h = Harness()
-    s = AccountingStream(h.scheduler)
+    s = AccountingStream(h.control)
     assert s.handle(observing(destination, prefill)) == []
     if destination == "127.0.0.1:8000":
-        assert h.inflight.snapshot() == {"127.0.0.1:8000": 1}
-        assert h.inflight.pending_prefill(EndpointAddress("127.0.0.1:8000"))[0] == 0
+        assert h.load.snapshot() == {"127.0.0.1:8000": 1}
+        assert h.load.pending_prefill(EndpointAddress("127.0.0.1:8000"))[0] == 0
     else:
-        assert h.inflight.snapshot() == {}
+        assert h.load.snapshot() == {}
     s.close()
-    assert h.inflight.snapshot() == {}
+    assert h.load.snapshot() == {}
 
 
 def test_the_routing_lease_moves_to_the_accounting_stream_and_is_counted_once() -> None:
@@ -68,15 +68,15 @@ def test_the_routing_lease_moves_to_the_accounting_stream_and_is_counted_once() 
     [answer] = routing.handle(body(chat()))
     sent = set_headers(answer.request_body.response)
     pick = sent["x-gateway-destination-endpoint"].split(",")[0]
-    accounting = AccountingStream(h.scheduler)
+    accounting = AccountingStream(h.control)
     request = headers(extra={k: v for k, v in sent.items() if k.startswith("x-")})
     request.observability_mode = True
     assert accounting.handle(request) == []
-    assert h.inflight.snapshot() == {pick: 1}
+    assert h.load.snapshot() == {pick: 1}
     routing.close()  # the routing stream ends with the response headers
-    assert h.inflight.snapshot() == {pick: 1}
+    assert h.load.snapshot() == {pick: 1}
     accounting.close()  # the response has ended
-    assert h.inflight.snapshot() == {}
+    assert h.load.snapshot() == {}
 
 
 def test_an_accounting_stream_later_than_its_routing_stream_counts_the_request_as_decoding() -> None:
@@ -92,16 +92,16 @@ def test_an_accounting_stream_later_than_its_routing_stream_counts_the_request_a
     pick = EndpointAddress(sent["x-gateway-destination-endpoint"].split(",")[0])
     assert int(sent["x-extproc-prefill"].split(",")[0]) > 0
     routing.close()  # no accounting stream seen yet in this process: released at once
-    assert h.inflight.snapshot() == {}
-    accounting = AccountingStream(h.scheduler)
+    assert h.load.snapshot() == {}
+    accounting = AccountingStream(h.control)
     request = headers(extra={k: v for k, v in sent.items() if k.startswith("x-")})
     request.observability_mode = True
     assert accounting.handle(request) == []
-    assert h.inflight.snapshot() == {pick: 1}
-    assert h.inflight.pending_prefill(pick) == (0, 0)
-    assert h.scheduler.handover.debug_state()["lateClaims"] == 1
+    assert h.load.snapshot() == {pick: 1}
+    assert h.load.pending_prefill(pick) == (0, 0)
+    assert h.control.handover.debug_state()["lateClaims"] == 1
     accounting.close()
-    assert h.inflight.snapshot() == {}
+    assert h.load.snapshot() == {}
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,6 @@ from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as 
 from extproc.serve.app import Server
 from extproc.server import service
 from extproc.settings import ServeSettings, SourceSettings
-from extproc.types import EndpointAddress
 from server.test_stream import body, chat, headers, response_headers
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "catalog.yaml"
@@ -113,9 +112,9 @@ async def test_an_accounting_stream_counts_until_the_half_close_and_takes_envoys
             PROCESS, request_serializer=lambda b: b, response_deserializer=lambda b: b
         )()
         await call.write(_accounting_request(endpoint))
-        await eventually(lambda: server.inflight.count(EndpointAddress(endpoint)) == 1, what="counted")
+        await eventually(lambda: in_flight(server).get(endpoint) == 1, what="counted")
         await call.done_writing()
-        await eventually(lambda: server.inflight.total == 0, what="released at the half-close")
+        await eventually(lambda: sum(in_flight(server).values()) == 0, what="released at the half-close")
         assert call.cancel()  # it was still open, waiting for the reset
     ended = server.metrics.streams_ended
     await eventually(
@@ -139,10 +138,10 @@ async def test_a_request_abandoned_before_its_response_releases_its_count_quietl
                     await call.write(message.SerializeToString())
                     await call.read()
                 calls.append(call)
-            assert server.inflight.total == 20
+            assert sum(in_flight(server).values()) == 20
             for call in calls:
                 assert call.cancel()
-            await eventually(lambda: server.inflight.total == 0, what="released at the reset")
+            await eventually(lambda: sum(in_flight(server).values()) == 0, what="released at the reset")
             ended = server.metrics.streams_ended
             await eventually(
                 lambda: ended.labels("routing", "cancelled")._value.get() == 20, what="counted as reset"
@@ -176,7 +175,7 @@ async def test_a_routing_stream_ends_itself_once_its_last_message_is_answered(se
         ]
         # No half-close from us: the server ends it.
         assert await asyncio.wait_for(call.code(), timeout=10) == grpc.StatusCode.OK
-    await eventually(lambda: server.inflight.total == 0, what="the routing stream's count released")
+    await eventually(lambda: sum(in_flight(server).values()) == 0, what="the routing stream's count released")
 
 
 async def test_a_routing_stream_keeps_reading_when_the_gateway_sends_response_bodies(server: Server) -> None:
@@ -191,3 +190,9 @@ async def test_a_routing_stream_keeps_reading_when_the_gateway_sends_response_bo
         assert answer.WhichOneof("response") == "response_body"
         await call.done_writing()
         assert await call.code() == grpc.StatusCode.OK
+
+
+def in_flight(server: Server) -> dict[str, int]:
+    """What ``/debug/state`` says is in flight, per endpoint."""
+    counts: dict[str, int] = server.debug_state()["inflight"]
+    return counts

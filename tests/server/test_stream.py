@@ -1,4 +1,5 @@
-"""The ext_proc conversation, message by message, against a real scheduler and catalog (no sockets)."""
+"""The ext_proc conversation, message by message, against real request control, scheduler and catalog
+(no sockets)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import orjson
 import pytest
 
 from extproc.catalog.model import Catalog, Endpoint, Route, WorkerSet
+from extproc.control.load import LoadView
+from extproc.control.requests import RequestControl
 from extproc.openai import InferenceRequest
 from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from extproc.scheduling.inflight import InFlight, Lease
+from extproc.scheduling.cache_then_load import CacheThenLoad
 from extproc.scheduling.predictor import PredictedTTFT
-from extproc.scheduling.prefix import PrefixMatch, Tokenized
+from extproc.scheduling.prefix import PrefixMatch
 from extproc.scheduling.profiles import DEFAULT
 from extproc.scheduling.scheduler import Decision, Scheduler
 from extproc.server.budget import BodyBudget
@@ -54,16 +57,15 @@ class Harness:
         budget: int = 1 << 30,
     ) -> None:
         self.catalog = catalog or _catalog()
-        self.inflight = InFlight()
-        self.scheduler = Scheduler(
-            lambda: self.catalog, self.inflight, max_fallbacks=fallbacks, rng=random.Random(7)
-        )
+        self.load = LoadView()
+        self.scheduler = Scheduler(self.load, CacheThenLoad(), max_fallbacks=fallbacks, rng=random.Random(7))
+        self.control = RequestControl(catalog=lambda: self.catalog, scheduler=self.scheduler, load=self.load)
         self.metrics = Metrics()
         self.max_body = max_body
         self.budget = BodyBudget(budget)
 
     def stream(self) -> RequestStream:
-        return RequestStream(self.scheduler, self.metrics, max_body_bytes=self.max_body, budget=self.budget)
+        return RequestStream(self.control, self.metrics, max_body_bytes=self.max_body, budget=self.budget)
 
 
 def headers(
@@ -126,9 +128,9 @@ def test_buffered_routes_in_body_answer() -> None:
     assert {first, fallback} == {"127.0.0.1:8000", "127.0.0.2:8000"}
     assert not common.HasField("body_mutation"), "no alias: the body goes through untouched"
     assert common.clear_route_cache
-    assert h.inflight.count(EndpointAddress(first)) == 1
+    assert h.load.count(EndpointAddress(first)) == 1
     s.close()
-    assert h.inflight.total == 0
+    assert h.load.total == 0
 
 
 def test_buffered_alias_rewrites_model_and_content_length() -> None:
@@ -199,7 +201,7 @@ def test_bad_requests_get_openai_errors(payload: bytes, status: int, code: str, 
     assert immediate.status.code == status
     error = orjson.loads(immediate.body)["error"]
     assert error["code"] == code and error["message"]
-    assert h.inflight.total == 0
+    assert h.load.total == 0
 
 
 def test_no_ready_endpoint_is_503() -> None:
@@ -251,7 +253,7 @@ def test_bodiless_request_is_routed_in_headers_phase() -> None:
     [answer] = s.handle(headers("GET", "/health", eos=True))
     common = answer.request_headers.response
     assert set_headers(common)["x-gateway-destination-endpoint"] == destination_metadata(answer)
-    assert h.inflight.total == 1
+    assert h.load.total == 1
 
 
 def test_inference_path_without_body_is_400() -> None:
@@ -285,14 +287,14 @@ def test_subset_hint_narrows_the_pick(subset: list[str], expected: str | None) -
 def test_load_spreads_to_least_busy() -> None:
     """With one endpoint busy, new requests go to the idle one."""
     h = Harness(fallbacks=0)
-    busy = h.inflight.acquire(EndpointAddress("127.0.0.1:8000"))
+    busy = h.control.acquire(EndpointAddress("127.0.0.1:8000"))
     for _ in range(3):
         s = h.stream()
         s.handle(headers())
         [answer] = s.handle(body(chat()))
         assert set_headers(answer.request_body.response)["x-gateway-destination-endpoint"] == "127.0.0.2:8000"
         s.close()
-    busy.release()
+    h.control.release(busy)
 
 
 def test_trailers_end_the_body() -> None:
@@ -337,7 +339,7 @@ def test_bodiless_writes_are_refused(path: str) -> None:
     h = Harness()
     [answer] = h.stream().handle(headers("POST", path, eos=True))
     assert answer.immediate_response.status.code == 400
-    assert h.inflight.total == 0
+    assert h.load.total == 0
 
 
 def test_model_lookup_decodes_escapes() -> None:
@@ -348,57 +350,43 @@ def test_model_lookup_decodes_escapes() -> None:
         assert orjson.loads(answer.immediate_response.body)["id"] == "llama-3-8b"
 
 
+class _Routed:
+    """A routed request that records what its stream reports."""
+
+    def __init__(self, router: _RankedRouter, decision: Decision) -> None:
+        self._router = router
+        self.decision = decision
+        self.token = "t"
+
+    def response_started(self) -> None:
+        pass
+
+    def stream_ended(self) -> None:
+        pass
+
+    def unreachable(self, address: EndpointAddress) -> None:
+        self._router.unreachable_reports.append(address)
+
+    def retried_away(self) -> None:
+        self._router.retried_away_reports.append(self.decision.pick.address)
+
+
 class _RankedRouter:
     """A router whose decision says which data-parallel rank of the pick holds the prefix."""
 
     def __init__(self, rank: int | None) -> None:
-        self.inflight = InFlight()
         self.rank = rank
-        self._offered: Lease | None = None
         self.unreachable_reports: list[EndpointAddress] = []
         self.retried_away_reports: list[EndpointAddress] = []
 
-    def schedule(
-        self,
-        request: InferenceRequest | None,
-        subset: frozenset[str] | None = None,
-        tokenized: Tokenized | None = None,
-    ) -> Decision:
+    def route(self, request: InferenceRequest | None, subset: frozenset[str] | None = None) -> _Routed:
         route = _catalog().resolve("llama-3-8b")
         assert route is not None
         pick = route.endpoints[0]
         ranks = {} if self.rank is None else {pick.address: self.rank}
-        return Decision(route, (pick,), PrefixMatch("precise", {pick.address: 48}, 60, [], ranks))
-
-    def acquire(
-        self, address: EndpointAddress, *, prefill_tokens: int = 0, prefill_seconds: float = 0.0
-    ) -> Lease:
-        return self.inflight.acquire(address)
-
-    def offer(self, lease: Lease) -> str:
-        self._offered = lease
-        return "t"
-
-    def routing_ended(self, token: str) -> None:
-        if self._offered is not None:
-            self._offered.release()
-
-    def tokenizes_first(self, request: InferenceRequest) -> bool:
-        return False
-
-    async def tokenize(self, request: InferenceRequest) -> Tokenized | None:
-        return None
-
-    def unreachable(self, address: EndpointAddress) -> None:
-        self.unreachable_reports.append(address)
-
-    def retried_away(self, address: EndpointAddress) -> None:
-        self.retried_away_reports.append(address)
-
-    def lease_for(
-        self, destination: str, *, token: str = "", prefill_tokens: int = 0, prefill_seconds: float = 0.0
-    ) -> Lease | None:
-        return None
+        return _Routed(
+            self, Decision(route, (pick,), PrefixMatch("precise", {pick.address: 48}, 60, [], ranks))
+        )
 
     def models(self) -> list[tuple[str, str]]:
         return []
@@ -526,13 +514,13 @@ def test_request_headers_twice_is_refused_and_leaks_no_in_flight_count() -> None
     s = h.stream()
     [first] = s.handle(headers("GET", "/metrics", eos=True))
     assert first.WhichOneof("response") == "request_headers"
-    assert sum(h.inflight.snapshot().values()) == 1
+    assert sum(h.load.snapshot().values()) == 1
     [second] = s.handle(headers("GET", "/metrics", eos=True))
     assert second.immediate_response.status.code == 400
     assert b"request_headers sent twice" in second.immediate_response.body
-    assert sum(h.inflight.snapshot().values()) == 1
+    assert sum(h.load.snapshot().values()) == 1
     s.close()
-    assert h.inflight.snapshot() == {}
+    assert h.load.snapshot() == {}
 
 
 @pytest.mark.parametrize("mode", [BUFFERED, FULL_DUPLEX], ids=["buffered", "full-duplex"])
@@ -586,9 +574,9 @@ def test_without_an_accounting_stream_the_routing_stream_releases_its_lease() ->
     s = h.stream()
     s.handle(headers())
     s.handle(body(chat()))
-    assert sum(h.inflight.snapshot().values()) == 1
+    assert sum(h.load.snapshot().values()) == 1
     s.close()
-    assert h.inflight.snapshot() == {}
+    assert h.load.snapshot() == {}
 
 
 def test_response_headers_end_the_requests_predicted_prefill() -> None:
@@ -601,8 +589,8 @@ def test_response_headers_end_the_requests_predicted_prefill() -> None:
     pick = EndpointAddress(
         set_headers(answer.request_body.response)["x-gateway-destination-endpoint"].split(",")[0]
     )
-    assert h.inflight.pending_prefill(pick)[0] > 0
+    assert h.load.pending_prefill(pick)[0] > 0
     response = ep.ProcessingRequest()
     response.response_headers.end_of_stream = False
     s.handle(response)
-    assert h.inflight.pending_prefill(pick) == (0, 0) and h.inflight.count(pick) == 1
+    assert h.load.pending_prefill(pick) == (0, 0) and h.load.count(pick) == 1

@@ -12,7 +12,7 @@ from ports import free_port_range
 from simulated import StartSim
 
 from extproc.cli import build_parser
-from extproc.engines.signals import parse_signals
+from extproc.engines.metrics_page import parse_signals
 from extproc.errors import ConfigError
 from extproc.sim.kv_wire import EventEncoding
 from extproc.sim.run import sim_settings

@@ -1,0 +1,126 @@
+"""The load view: every request routed to an endpoint that has not finished, as lease values.
+
+A :class:`Lease` is a value with an owner (this replica, or later a peer), taken when a request is
+routed and removed exactly once when it ends, however it ends. The :class:`LoadView` holds the
+leases and keeps, per endpoint, what decisions read: how many requests are in flight and the
+prefill work we expect them to still do. Anything that learns of load (request control here, peers
+later) adds and removes leases; nothing else writes it. Everything runs on the event loop thread,
+so plain dict updates need no lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from extproc.types import EndpointAddress
+
+#: Who holds a lease: this replica's id, or a peer's.
+Owner = str
+#: A lease's identity: unique per owner.
+LeaseKey = tuple[Owner, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """One request's claim on an endpoint until the request ends."""
+
+    owner: Owner
+    number: int
+    endpoint: EndpointAddress
+    #: The upstream model ("" for a request without one).
+    model: str = ""
+    #: Uncached prompt tokens the pick is predicted to compute (0: not predicted).
+    prefill_tokens: int = 0
+    #: Monotonic time its prefill should be done; the request counts as prefilling until then.
+    prefill_until: float = 0.0
+
+    @property
+    def key(self) -> LeaseKey:
+        return (self.owner, self.number)
+
+
+class LoadView:
+    """Leases per endpoint: in-flight counts and predicted prefill still pending.
+
+    A lease with predicted prefill counts as *prefilling* until its ``prefill_until`` (or until the
+    response begins, :meth:`prefill_over`), and as decoding afterwards: the latency predictor
+    charges the next request for exactly that work instead of a typical prompt.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._leases: dict[LeaseKey, Lease] = {}
+        self._counts: dict[EndpointAddress, int] = {}
+        #: Per endpoint: leases still prefilling -> (tokens, until).
+        self._prefills: dict[EndpointAddress, dict[LeaseKey, tuple[int, float]]] = {}
+
+    def __contains__(self, key: LeaseKey) -> bool:
+        return key in self._leases
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def add(self, lease: Lease) -> None:
+        """Count ``lease`` (a second add of the same key is ignored)."""
+        if lease.key in self._leases:
+            return
+        self._leases[lease.key] = lease
+        self._counts[lease.endpoint] = self._counts.get(lease.endpoint, 0) + 1
+        if lease.prefill_tokens > 0 and lease.prefill_until > 0:
+            self._prefills.setdefault(lease.endpoint, {})[lease.key] = (
+                lease.prefill_tokens,
+                lease.prefill_until,
+            )
+
+    def remove(self, key: LeaseKey) -> Lease | None:
+        """Stop counting the lease; the lease, or None when it was not held (removing twice is harmless)."""
+        lease = self._leases.pop(key, None)
+        if lease is None:
+            return None
+        left = self._counts.get(lease.endpoint, 0) - 1
+        if left > 0:
+            self._counts[lease.endpoint] = left
+        else:
+            # Drop zero entries so endpoints that left the pool do not linger forever.
+            self._counts.pop(lease.endpoint, None)
+        self.prefill_over(key, lease.endpoint)
+        return lease
+
+    def prefill_over(self, key: LeaseKey, endpoint: EndpointAddress | None = None) -> None:
+        """The lease's response has begun: its prefill is over, whatever was predicted; the
+        request still counts, as decoding."""
+        if endpoint is None:
+            lease = self._leases.get(key)
+            if lease is None:
+                return
+            endpoint = lease.endpoint
+        prefills = self._prefills.get(endpoint)
+        if prefills is not None and prefills.pop(key, None) is not None and not prefills:
+            del self._prefills[endpoint]
+
+    def count(self, address: EndpointAddress) -> int:
+        """Requests in flight at ``address``."""
+        return self._counts.get(address, 0)
+
+    def pending_prefill(self, address: EndpointAddress) -> tuple[int, int]:
+        """(uncached prompt tokens, requests) routed to ``address`` whose prefill should still run."""
+        prefills = self._prefills.get(address)
+        if not prefills:
+            return 0, 0
+        now = self._clock()
+        tokens = requests = 0
+        for pending, until in prefills.values():
+            if until > now:
+                tokens += pending
+                requests += 1
+        return tokens, requests
+
+    def snapshot(self) -> Mapping[EndpointAddress, int]:
+        """In-flight counts per endpoint, now."""
+        return dict(self._counts)
+
+    @property
+    def total(self) -> int:
+        return len(self._leases)

@@ -1,0 +1,191 @@
+"""Request control: one request's life in one place.
+
+The protocol layer (:mod:`extproc.server`) asks for a decision and reports what Envoy told it;
+everything in between happens here, in order:
+
+1. **resolve** the model to its route, once, against one catalog snapshot (the decision that
+   follows uses the same snapshot, even across the await of tokenizing off the loop);
+2. **tokenize** the prompt first when it is long (off the event loop, bounded in queue and time);
+3. **decide** (:class:`~extproc.scheduling.scheduler.Scheduler`);
+4. **lease**: the request counts in the :class:`~extproc.control.load.LoadView` as a
+   :class:`~extproc.control.load.Lease` held by this replica, with its predicted prefill;
+5. **offer** the lease to the request's accounting stream (:mod:`extproc.control.handover`), which
+   holds it until the response ends;
+6. **first token**: the response began, the prefill is over;
+7. **release**: the routing stream ended and no accounting stream claimed the lease, or the
+   accounting stream ended.
+
+This is the seam where peer sync (peers' leases added to the same load view) and flow control
+(a request waiting here for room) plug in; policies and the protocol layer do not change for them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+import weakref
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from extproc.catalog.model import Catalog, Route
+from extproc.control.handover import LeaseHandover
+from extproc.control.load import Lease, LoadView
+from extproc.errors import ModelNotFound
+from extproc.openai import InferenceRequest
+from extproc.scheduling.scheduler import Decision, Scheduler, all_endpoints
+from extproc.telemetry import clip
+from extproc.types import EndpointAddress
+
+
+class RoutedRequest:
+    """A routed request as its routing stream sees it: the decision, and what to report."""
+
+    __slots__ = ("_control", "decision", "lease", "token")
+
+    def __init__(self, control: RequestControl, decision: Decision, lease: Lease, token: str) -> None:
+        self._control = control
+        self.decision = decision
+        self.lease = lease
+        #: The token the lease is offered under (the accounting stream claims it with it).
+        self.token = token
+
+    def response_started(self) -> None:
+        """The engine answered (response headers): its prefill is done, the request decodes."""
+        self._control.load.prefill_over(self.lease.key)
+
+    def stream_ended(self) -> None:
+        """The routing stream ended: the handover releases an unclaimed lease, now or after a grace."""
+        self._control.handover.routing_ended(self.token)
+
+    def unreachable(self, address: EndpointAddress) -> None:
+        """Envoy could not connect to ``address`` (one of this request's pick or fallbacks)."""
+        self._control.on_unreachable(address)
+
+    def retried_away(self) -> None:
+        """Envoy gave up on the pick and a retry elsewhere answered."""
+        self._control.on_retried_away(self.lease.endpoint)
+
+
+class RequestControl:
+    """Owns every request's route, decision and lease in this replica."""
+
+    def __init__(
+        self,
+        *,
+        catalog: Callable[[], Catalog],
+        scheduler: Scheduler,
+        load: LoadView,
+        owner: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_unreachable: Callable[[EndpointAddress], None] | None = None,
+        on_retried_away: Callable[[EndpointAddress], None] | None = None,
+    ) -> None:
+        self._catalog = catalog
+        self.scheduler = scheduler
+        self.load = load
+        #: This replica's name on its leases (unique per process).
+        self.owner = owner or secrets.token_hex(4)
+        self._clock = clock
+        self._numbers = itertools.count()
+        self.handover = LeaseHandover(self.release, clock=clock)
+        self.on_unreachable = on_unreachable or (lambda _address: None)
+        self.on_retried_away = on_retried_away or (lambda _address: None)
+        #: The catalog last looked at by :meth:`accounting_lease` (weakly: a replaced catalog is
+        #: freed off the event loop), and its endpoint addresses.
+        self._addresses_of: tuple[weakref.ref[Catalog] | None, frozenset[str]] = (None, frozenset())
+
+    # -- the routing stream ---------------------------------------------------------------------
+
+    def route(
+        self, request: InferenceRequest | None, subset: frozenset[str] | None = None
+    ) -> RoutedRequest | Coroutine[Any, Any, RoutedRequest]:
+        """Decide for ``request`` (None: a bodiless request, for any endpoint) and lease the pick.
+
+        Returns a coroutine to await instead when the prompt is tokenized off the loop first.
+        Raises :class:`~extproc.errors.RequestError` for what the client should be told.
+        """
+        catalog = self._catalog()
+        if request is None:
+            return self._lease(self.scheduler.decide(catalog, None, None, subset))
+        route = catalog.resolve(request.model)
+        if route is None:
+            # Clipped: the name is the client's, and may be a megabyte long.
+            raise ModelNotFound(f"The model '{clip(request.model, 256)}' does not exist.", param="model")
+        matcher = self.scheduler.prefix
+        if matcher is not None and matcher.tokenizes_first(route, request):
+            return self._route_tokenized(catalog, route, request, subset)
+        return self._lease(self.scheduler.decide(catalog, route, request, subset))
+
+    async def _route_tokenized(
+        self, catalog: Catalog, route: Route, request: InferenceRequest, subset: frozenset[str] | None
+    ) -> RoutedRequest:
+        assert self.scheduler.prefix is not None
+        tokenized = await self.scheduler.prefix.prompt_tokens(route, request, catalog)
+        return self._lease(self.scheduler.decide(catalog, route, request, subset, tokenized))
+
+    def _lease(self, decision: Decision) -> RoutedRequest:
+        tokens, seconds = decision.prefill
+        lease = self.acquire(
+            decision.pick.address,
+            model="" if decision.route is None else decision.route.upstream_model,
+            prefill_tokens=tokens,
+            prefill_seconds=seconds,
+        )
+        return RoutedRequest(self, decision, lease, self.handover.offer(lease))
+
+    def models(self) -> list[tuple[str, str]]:
+        """Every client-facing model name with the upstream name it resolves to, sorted."""
+        return [(name, route.upstream_model) for name, route in sorted(self._catalog().routes.items())]
+
+    # -- leases ---------------------------------------------------------------------------------
+
+    def acquire(
+        self,
+        endpoint: EndpointAddress,
+        *,
+        model: str = "",
+        prefill_tokens: int = 0,
+        prefill_seconds: float = 0.0,
+    ) -> Lease:
+        """A new lease of this replica's on ``endpoint``, counted in the load view until released.
+
+        ``prefill_tokens`` / ``prefill_seconds``: the predicted prefill, so the next predictions
+        charge this endpoint for it until it should be done.
+        """
+        until = self._clock() + prefill_seconds if prefill_tokens > 0 and prefill_seconds > 0 else 0.0
+        lease = Lease(self.owner, next(self._numbers), endpoint, model, prefill_tokens, until)
+        self.load.add(lease)
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        """The request ended: it no longer counts (releasing twice is harmless)."""
+        self.load.remove(lease.key)
+
+    # -- the accounting stream ------------------------------------------------------------------
+
+    def accounting_lease(
+        self, destination: str, *, token: str = "", prefill_tokens: int = 0, prefill_seconds: float = 0.0
+    ) -> Lease | None:
+        """The lease an accounting stream holds for the request our answer placed: the routing
+        stream's own when it was offered here under ``token`` (one count, not two), else a new one
+        on the first address of ``destination`` (charged the predicted prefill only when another
+        replica routed it); None when the catalog has no such endpoint."""
+        offered = self.handover.claim(token)
+        if offered is not None:
+            return offered
+        if self.handover.issued_here(token):
+            # Our routing stream for it has ended, at the response headers: the prefill is done.
+            prefill_tokens, prefill_seconds = 0, 0.0
+        catalog = self._catalog()
+        seen = self._addresses_of[0]
+        if seen is None or seen() is not catalog:
+            self._addresses_of = (weakref.ref(catalog), frozenset(e.address for e in all_endpoints(catalog)))
+        address = EndpointAddress(destination.split(",", 1)[0].strip())
+        if address not in self._addresses_of[1]:
+            return None
+        return self.acquire(address, prefill_tokens=prefill_tokens, prefill_seconds=prefill_seconds)
+
+    def debug_state(self) -> dict[str, object]:
+        """``/debug/state``'s ``leases``: who we are and the handover's counters."""
+        return {"owner": self.owner, "held": len(self.load), "handover": self.handover.debug_state()}

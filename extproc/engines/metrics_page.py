@@ -1,0 +1,217 @@
+"""Turn one engine ``/metrics`` page (Prometheus text exposition) into the load signals the router uses.
+
+Two engines' names are read, vLLM's (``vllm:``) and SGLang's (``sglang:``), whichever the page has.
+Only a handful of series matter for scheduling (running and waiting requests, KV-cache usage, the
+prefix-cache counters), so lines are filtered by metric name before any parsing: an engine exposing
+hundreds of histogram buckets costs a string prefix check per line, and a line we cannot read only
+matters if it is one of ours. Each kept line is parsed by ``prometheus_client`` (it accepts
+``vllm:`` names, escaped label values, NaN and +Inf), one line at a time, so one bad line drops that
+sample rather than the whole page.
+
+Data-parallel ranks: vLLM labels every series with ``engine`` (the rank as a string), SGLang with
+``dp_rank`` when it runs several. Counts and counters are summed over ranks; usage is the fullest
+rank's (a request lands on one rank; the fullest one is the one that preempts first). SGLang may
+export one copy of a scheduler gauge per tensor- or pipeline-parallel rank
+(``--enable-metrics-for-all-schedulers``): copies within one DP rank count once (the largest).
+
+vLLM's old names (<= 0.11) are used only when the new name is absent from the page:
+``vllm:gpu_cache_usage_perc`` for ``vllm:kv_cache_usage_perc`` and
+``vllm:gpu_prefix_cache_{queries,hits}`` for ``vllm:prefix_cache_{queries,hits}``.
+
+SGLang's equivalents (0.5): ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
+``sglang:token_usage`` (the fullest memory pool's usage), and the counters
+``sglang:prompt_tokens_total`` and ``sglang:cached_tokens_total`` (prompt tokens served from the
+cache; only ``cache_source="device"``, the GPU, counts as a hit, as vLLM's counter counts).
+Under OpenMetrics SGLang's names read ``sglang_...``; both spellings are accepted.
+
+Both engines' ``time_to_first_token_seconds`` and ``inter_token_latency_seconds`` histograms are
+read for their ``_sum`` and ``_count`` only (running totals over all ranks), which profile
+calibration compares with our predictions (:mod:`extproc.scheduling.calibration`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.scheduling.engine_signals import EngineSignals
+from extproc.types import EngineKind
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
+PREFIX_QUERIES = "vllm:prefix_cache_queries"
+PREFIX_QUERIES_OLD = "vllm:gpu_prefix_cache_queries"
+PREFIX_HITS = "vllm:prefix_cache_hits"
+PREFIX_HITS_OLD = "vllm:gpu_prefix_cache_hits"
+
+SGLANG_RUNNING = "sglang:num_running_reqs"
+SGLANG_WAITING = "sglang:num_queue_reqs"
+SGLANG_KV_USAGE = "sglang:token_usage"
+SGLANG_PROMPT_TOKENS = "sglang:prompt_tokens"
+SGLANG_CACHED_TOKENS = "sglang:cached_tokens"
+#: The time-to-first-token histogram's running totals (both engines use this name), for calibration.
+TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
+TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
+SGLANG_TTFT_SUM = "sglang:time_to_first_token_seconds_sum"
+SGLANG_TTFT_COUNT = "sglang:time_to_first_token_seconds_count"
+#: ... and the inter-token latency histogram's: every decoding sequence's wait for its next token.
+ITL_SUM = "vllm:inter_token_latency_seconds_sum"
+ITL_COUNT = "vllm:inter_token_latency_seconds_count"
+SGLANG_ITL_SUM = "sglang:inter_token_latency_seconds_sum"
+SGLANG_ITL_COUNT = "sglang:inter_token_latency_seconds_count"
+_HISTOGRAM_TOTALS = (
+    *(TTFT_SUM, TTFT_COUNT, SGLANG_TTFT_SUM, SGLANG_TTFT_COUNT),
+    *(ITL_SUM, ITL_COUNT, SGLANG_ITL_SUM, SGLANG_ITL_COUNT),
+)
+
+_GAUGES = (RUNNING, WAITING, KV_USAGE, KV_USAGE_OLD, SGLANG_RUNNING, SGLANG_WAITING, SGLANG_KV_USAGE)
+_COUNTERS = (
+    *(PREFIX_QUERIES, PREFIX_QUERIES_OLD, PREFIX_HITS, PREFIX_HITS_OLD),
+    *(SGLANG_PROMPT_TOKENS, SGLANG_CACHED_TOKENS),
+)
+
+#: Exposed sample name -> the family it belongs to. ``prometheus_client`` exposes counters with a
+#: ``_total`` suffix; OpenMetrics-less exporters may not, so both spellings are accepted, and
+#: SGLang's ``sglang:`` names may read ``sglang_`` (OpenMetrics has no colons).
+_WANTED: dict[str, str] = {name: name for name in _GAUGES}
+_WANTED.update({f"{name}_total": name for name in _COUNTERS})
+_WANTED.update({name: name for name in _COUNTERS})
+_WANTED.update({name: name for name in _HISTOGRAM_TOTALS})
+_WANTED.update({name.replace("sglang:", "sglang_"): family for name, family in list(_WANTED.items())})
+
+#: The label naming a sample's data-parallel rank, per engine.
+_RANK_LABELS = ("engine", "dp_rank")
+#: Labels telling copies of one rank's series apart (SGLang, one per TP/PP rank when asked).
+_COPY_LABELS = ("tp_rank", "pp_rank")
+
+
+class MetricsParseError(ValueError):
+    """The page holds none of the engine series we schedule on (not vLLM or SGLang, or no metrics page)."""
+
+
+@dataclass(slots=True)
+class _Samples:
+    #: family -> (DP rank, copy) -> the sum of its samples.
+    values: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)
+    engines: set[str] = field(default_factory=set)
+    models: set[str] = field(default_factory=set)
+    bad_lines: int = 0
+    first_problem: str | None = None
+
+    def problem(self, message: str) -> None:
+        self.bad_lines += 1
+        if self.first_problem is None:
+            self.first_problem = message
+
+    def per_rank(self, family: str) -> list[float] | None:
+        """The family's value on each DP rank (copies of one rank count once: the largest)."""
+        by_copy = self.values.get(family)
+        if by_copy is None:
+            return None
+        ranks: dict[str, float] = {}
+        for (rank, _copy), value in by_copy.items():
+            ranks[rank] = max(ranks.get(rank, value), value)
+        return list(ranks.values())
+
+
+def _sample_name(line: str) -> str:
+    end = len(line)
+    for stop in ("{", " ", "\t"):
+        at = line.find(stop)
+        if 0 <= at < end:
+            end = at
+    return line[:end]
+
+
+def _collect(lines: Iterable[str]) -> _Samples:
+    found = _Samples()
+    for number, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        family = _WANTED.get(_sample_name(line))
+        if family is None:
+            continue  # someone else's series, histogram buckets, garbage: not ours to judge
+        try:
+            samples = [s for f in text_string_to_metric_families(line + "\n") for s in f.samples]
+        except Exception as exc:  # the parser raises ValueError, IndexError, ... on malformed lines
+            found.problem(f"line {number}: {type(exc).__name__}: {exc}")
+            continue
+        for sample in samples:
+            if not math.isfinite(sample.value):
+                found.problem(f"line {number}: {sample.name} is {sample.value}")
+                continue
+            labels = sample.labels
+            if family == SGLANG_CACHED_TOKENS and labels.get("cache_source", "device") != "device":
+                continue  # a host or storage hit still loads the prefix: not a GPU prefix hit
+            rank = next((labels[k] for k in _RANK_LABELS if k in labels), "")
+            if rank:
+                found.engines.add(rank)
+            copy = "/".join(labels.get(k, "") for k in _COPY_LABELS)
+            by_copy = found.values.setdefault(family, {})
+            by_copy[rank, copy] = by_copy.get((rank, copy), 0.0) + sample.value
+            if "model_name" in labels:
+                found.models.add(labels["model_name"])
+    return found
+
+
+def parse_signals(text: str | bytes) -> EngineSignals:
+    """Read an exposition page; raises :class:`MetricsParseError` if no scheduling series is on it."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
+    found = _collect(text.splitlines())
+    old: list[str] = []
+
+    def pick(*names: str, fallback: str | None = None) -> list[float] | None:
+        for name in names:
+            values = found.per_rank(name)
+            if values is not None:
+                return values
+        if fallback is not None and (values := found.per_rank(fallback)) is not None:
+            old.append(fallback)
+            return values
+        return None
+
+    running, waiting = pick(RUNNING, SGLANG_RUNNING), pick(WAITING, SGLANG_WAITING)
+    usage = pick(KV_USAGE, SGLANG_KV_USAGE, fallback=KV_USAGE_OLD)
+    queries = pick(PREFIX_QUERIES, SGLANG_PROMPT_TOKENS, fallback=PREFIX_QUERIES_OLD)
+    hits = pick(PREFIX_HITS, SGLANG_CACHED_TOKENS, fallback=PREFIX_HITS_OLD)
+    if queries is not None and hits is None and SGLANG_PROMPT_TOKENS in found.values:
+        hits = [0.0]  # SGLang exports no cached-tokens sample until its first hit
+    ttft_sum, ttft_count = pick(TTFT_SUM, SGLANG_TTFT_SUM), pick(TTFT_COUNT, SGLANG_TTFT_COUNT)
+    itl_sum, itl_count = pick(ITL_SUM, SGLANG_ITL_SUM), pick(ITL_COUNT, SGLANG_ITL_COUNT)
+    if running is None and waiting is None and usage is None:
+        detail = f"; first problem: {found.first_problem}" if found.first_problem else ""
+        raise MetricsParseError(
+            f"no {RUNNING}, {WAITING} or {KV_USAGE} samples on the page (nor SGLang's {SGLANG_RUNNING}, "
+            f"{SGLANG_WAITING} or {SGLANG_KV_USAGE}; {len(text)} characters){detail}"
+        )
+    kinds: set[EngineKind] = {"sglang" if family.startswith("sglang:") else "vllm" for family in found.values}
+    return EngineSignals(
+        engine_kind=next(iter(kinds)) if len(kinds) == 1 else None,
+        running=None if running is None else round(sum(running)),
+        waiting=None if waiting is None else round(sum(waiting)),
+        # A fraction by definition; clamping keeps one odd sample from skewing a score.
+        kv_cache_usage=None if usage is None else min(1.0, max(0.0, max(usage))),
+        prefix_cache_queries=None if queries is None else sum(queries),
+        prefix_cache_hits=None if hits is None else sum(hits),
+        ttft_seconds_sum=None if ttft_sum is None or ttft_count is None else sum(ttft_sum),
+        ttft_count=None if ttft_sum is None or ttft_count is None else sum(ttft_count),
+        itl_seconds_sum=None if itl_sum is None or itl_count is None else sum(itl_sum),
+        itl_count=None if itl_sum is None or itl_count is None else sum(itl_count),
+        engines=tuple(sorted(found.engines, key=_engine_order)),
+        model_names=tuple(sorted(found.models)),
+        old_names=tuple(old),
+        bad_lines=found.bad_lines,
+        first_problem=found.first_problem,
+    )
+
+
+def _engine_order(engine: str) -> tuple[int, str]:
+    """Numeric ranks in numeric order ("2" before "10"), anything else after, by name."""
+    return (int(engine), "") if engine.isdigit() else (1 << 30, engine)
