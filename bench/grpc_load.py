@@ -128,7 +128,7 @@ async def exchange(stub: ep_grpc.ExternalProcessorStub, messages: list[ep.Proces
     if answer is _EOF or answer.WhichOneof("response") != "response_headers":
         raise StreamError("no response_headers answer")
     # As Envoy does once nothing more is to be sent: close the stream without waiting for its end
-    # (serve, done too, waits for that close: see CLOSE_WAIT_S in extproc/server/service.py).
+    # (serve, done too, waits for that close: see CLOSE_WAIT_S in extproc/protocol/service.py).
     await call.done_writing()
     call.cancel()
     if not destination or decided is None:
@@ -262,7 +262,7 @@ def stream_logic_us(catalog: Path, body: bytes, repeats: int = 5) -> float | str
 
 def _stream_logic_us(catalog: Path, body: bytes, repeats: int) -> float:
     from extproc.serve.app import Server
-    from extproc.server.stream import RequestStream
+    from extproc.protocol.stream import RequestStream
     from extproc.settings import ServeSettings, SourceSettings
 
     server = Server(ServeSettings(source=SourceSettings.parse(f"file:{catalog}"), seed=1))

@@ -13,7 +13,7 @@
         +-- Overloaded              429: shed (every endpoint saturated, or too many bodies held)
         +-- NoReadyEndpoint         503: the model exists but no endpoint can take the request
 
-:func:`extproc.server.messages.error_response` is the one place that turns a RequestError into
+:func:`extproc.protocol.messages.error_response` is the one place that turns a RequestError into
 an HTTP answer (OpenAI's error shape); anything else reaching the request path is a bug and
 becomes a 500 logged once with the request id.
 """

@@ -1,7 +1,8 @@
-"""The package's layering, checked on every import statement (``TYPE_CHECKING`` ones included).
+"""The package's layering, checked on every import statement wherever it stands (function bodies
+and ``TYPE_CHECKING`` blocks included); ``from pkg import mod`` counts as an import of ``pkg.mod``.
 
-Data flows one way (DESIGN.md): sources -> catalog <- engines / kvindex; server -> scheduling ->
-state. Each package may import only the packages listed for it below (and itself); the adapters to
+Data flows one way (DESIGN.md): sources -> catalog <- engines / kvindex; protocol -> control ->
+scheduling -> state. Each package may import only the packages listed for it below (and itself); the adapters to
 ``grpc``, ``zmq`` and ``kubernetes`` live in one package each; the reconciler never reaches into
 the request path. A new package must be placed here before it can be imported anywhere.
 """
@@ -14,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "extproc"
+REPO = Path(__file__).resolve().parents[1]
+ROOT = REPO / "extproc"
+#: The benchmarks: covered by the cycle check (their scripts import siblings by bare name).
+BENCH = REPO / "bench"
 
 #: Modules at the package root that everything may use: identifiers, errors, settings, the request
 #: type, logging/metrics helpers, task and HTTP helpers, the admin HTTP surface.
@@ -28,10 +32,13 @@ ALLOWED: dict[str, frozenset[str]] = {
     "tokenize": frozenset(),
     "kvindex": frozenset({"catalog"}),
     "sources": frozenset({"catalog", "kube"}),
-    "scheduling": frozenset({"catalog", "kvindex", "tokenize"}),
+    "control": frozenset({"catalog", "scheduling"}),
+    "scheduling": frozenset({"catalog", "control", "kvindex", "tokenize"}),
     "engines": frozenset({"catalog", "scheduling", "tokenize"}),
-    "server": frozenset({"scheduling", "pb"}),
-    "serve": frozenset({"catalog", "engines", "kvindex", "scheduling", "server", "sources", "tokenize"}),
+    "protocol": frozenset({"control", "scheduling", "pb"}),
+    "serve": frozenset(
+        {"catalog", "control", "engines", "kvindex", "protocol", "scheduling", "sources", "tokenize"}
+    ),
     "reconcile": frozenset({"catalog", "kube"}),
     "sim": frozenset({"tokenize"}),
     "gateway": frozenset(),
@@ -43,8 +50,8 @@ ALLOWED: dict[str, frozenset[str]] = {
 
 #: Third-party adapters: the library -> the only places that may import it.
 ADAPTERS: dict[str, frozenset[str]] = {
-    "grpc": frozenset({"server", "pb"}),
-    "grpc_health": frozenset({"server"}),
+    "grpc": frozenset({"protocol", "pb"}),
+    "grpc_health": frozenset({"protocol"}),
     "zmq": frozenset({"kvindex/subscriber.py", "kvindex/subscriptions.py", "sim/kv_publisher.py"}),
     "kubernetes": frozenset({"kube"}),
 }
@@ -58,18 +65,32 @@ def _owner(path: Path) -> str:
     return "core" if rel.stem in CORE else rel.stem
 
 
-def _imports(path: Path) -> Iterator[tuple[int, str]]:
-    """(line, dotted name) of every absolute import in a module."""
+def _is_module(dotted: str, root: Path = REPO) -> bool:
+    """``extproc.x.y`` or ``bench.x.y`` names a module or package under ``root``."""
+    path = root.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file() or path.is_dir()
+
+
+def _imports(path: Path, root: Path = REPO) -> Iterator[tuple[int, str]]:
+    """(line, dotted name) of every import in a module, wherever it stands (``ast.walk`` visits
+    function bodies and ``if TYPE_CHECKING:`` blocks alike). ``from pkg import mod`` yields
+    ``pkg.mod`` when ``mod`` is a module, else ``pkg``; relative imports are made absolute."""
     tree = ast.parse(path.read_text(), filename=str(path))
+    package = path.relative_to(root).parent.parts if path.is_relative_to(root) else ()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.lineno, node.module
-            if node.module == "extproc":
-                for alias in node.names:
-                    yield node.lineno, f"extproc.{alias.name}"
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package[: len(package) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            modules = [f"{base}.{a.name}" for a in node.names if _is_module(f"{base}.{a.name}", root)]
+            if len(modules) < len(node.names) and base:
+                yield node.lineno, base
+            for module in modules:
+                yield node.lineno, module
 
 
 def _target(module: str) -> str | None:
@@ -119,19 +140,37 @@ def test_adapters_import_their_library_alone(path: Path) -> None:
     assert not wrong, f"{rel} imports an adapter's library: {wrong}"
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT.parent).with_suffix("")
+def _module_name(path: Path, root: Path = REPO) -> str:
+    rel = path.relative_to(root).with_suffix("")
     parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
     return ".".join(parts)
 
 
-def test_no_import_cycles() -> None:
-    """Modules import each other one way only (a cycle hidden behind TYPE_CHECKING counts too)."""
-    names = {_module_name(p): p for p in MODULES}
-    graph = {
-        name: sorted({m for _, m in _imports(path) if m in names and m != name})
+#: Every module whose imports the cycle check follows: the package and the benchmarks.
+GRAPHED = MODULES + sorted(BENCH.rglob("*.py"))
+
+
+def _resolve(module: str, names: dict[str, Path]) -> str | None:
+    """The graphed module an import lands in: itself, or a benchmark's sibling imported by bare
+    name (``from grpc_load import ...``, with ``bench/`` on the path)."""
+    if module in names:
+        return module
+    return f"bench.{module}" if f"bench.{module}" in names else None
+
+
+def import_graph(paths: list[Path], root: Path = REPO) -> dict[str, list[str]]:
+    """Module -> the graphed modules it imports."""
+    names = {_module_name(p, root): p for p in paths}
+    return {
+        name: sorted(
+            {r for _, m in _imports(path, root) if (r := _resolve(m, names)) is not None and r != name}
+        )
         for name, path in names.items()
     }
+
+
+def find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (its modules in order, the first repeated last), or None."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
 
@@ -148,9 +187,16 @@ def test_no_import_cycles() -> None:
         return None
 
     for name in sorted(graph):
-        if name not in state:
-            cycle = visit(name)
-            assert cycle is None, " -> ".join(cycle)
+        if name not in state and (cycle := visit(name)) is not None:
+            return cycle
+    return None
+
+
+def test_no_import_cycles() -> None:
+    """Modules of ``extproc`` and ``bench`` import each other one way only (a cycle through a
+    function body or behind TYPE_CHECKING counts too)."""
+    cycle = find_cycle(import_graph(GRAPHED))
+    assert cycle is None, " -> ".join(cycle)
 
 
 def test_a_violation_is_caught(tmp_path: Path) -> None:
@@ -165,7 +211,28 @@ def test_a_violation_is_caught(tmp_path: Path) -> None:
     assert [_target(m) for _, m in found if m.startswith("extproc.")] == ["serve", "core"]
 
 
+def test_a_module_imported_from_its_package_counts_as_that_module(tmp_path: Path) -> None:
+    """``from extproc.sim import sglang`` is an import of ``extproc.sim.sglang``, not of the package,
+    and an import inside a function body counts."""
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from extproc.sim import sglang, DEFAULT_NAME\n")
+    found = {m for _, m in _imports(module)}
+    assert "extproc.sim.sglang" in found
+
+
+def test_a_cycle_through_a_function_body_is_found(tmp_path: Path) -> None:
+    """Two modules importing each other, one side inside a function (as the replay's two runners
+    once did), make a cycle."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("def f():\n    from pkg import b\n")
+    (package / "b.py").write_text("from pkg.a import f\n")
+    graph = import_graph(sorted(package.glob("*.py")), root=tmp_path)
+    assert find_cycle(graph) in (["pkg.a", "pkg.b", "pkg.a"], ["pkg.b", "pkg.a", "pkg.b"])
+
+
 def test_the_reconciler_never_reaches_the_request_path() -> None:
     """The status sidecar reads serve over HTTP; it imports none of serve's request-path packages."""
-    request_path = {"server", "serve", "scheduling", "kvindex", "tokenize", "engines"}
+    request_path = {"protocol", "control", "serve", "scheduling", "kvindex", "tokenize", "engines"}
     assert not request_path & ALLOWED["reconcile"]

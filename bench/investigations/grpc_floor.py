@@ -43,7 +43,7 @@ from machine import machine, provenance, record
 
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from extproc.server import messages
+from extproc.protocol import messages
 
 HERE = Path(__file__).resolve().parents[1]  # bench/: results/ and the harness are there
 sys.path.insert(0, str(HERE.parent / "tests"))

@@ -7,7 +7,7 @@ ext_proc handler does) takes ``--streams`` streams from this process in each of 
 - **reset**: the client cancels the stream while the server waits for a message (what Envoy did to
   about half of the routing streams when the HTTP request finished first);
 - **shielded**: the same reset, but the handler reads each message in a task of its own that the
-  reset does not cancel (`serve`'s :class:`extproc.server.service.Receiver`);
+  reset does not cancel (`serve`'s :class:`extproc.protocol.service.Receiver`);
 - **closed**: the client half-closes and the server's handler returns (what ending each routing
   stream from `serve` at the response headers would give; tried, and undone for now: see README).
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench harnes
 
 from machine import answer_malloc_readings_async, kept, kept_row, machine, provenance, read_malloc, record
 
-from extproc.server.service import Receiver
+from extproc.protocol.service import Receiver
 
 HERE = Path(__file__).resolve().parents[1]  # bench/: results/ and the harness are there
 #: The method each way of ending a stream is measured on.

@@ -52,8 +52,8 @@ from machine import (
 from extproc.gateway.config import load_config, render_config, shipped_config
 from extproc.gateway.process import EnvoyProcess
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from extproc.server import messages
-from extproc.server.service import CLOSE_WAIT_S
+from extproc.protocol import messages
+from extproc.protocol.service import CLOSE_WAIT_S
 
 HERE = Path(__file__).resolve().parents[1]  # bench/: results/ and the harness are there
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -240,7 +240,7 @@ def report(results: dict[str, Any]) -> str:
         "by then races the reset; one still reading when the reset lands leaves its pending "
         "receive behind (grpc/grpc#43360); both keep memory for good. A handler that has stopped "
         "reading and not yet returned takes the reset cleanly, which is what serve now does "
-        "(`extproc/server/service.py`, `CLOSE_WAIT_S`). Earlier runs of the accounting arms gave "
+        "(`extproc/protocol/service.py`, `CLOSE_WAIT_S`). Earlier runs of the accounting arms gave "
         "the same on grpcio 1.71.0 and 1.78.0 and with uvloop.",
     ]
     return "\n".join(lines) + "\n"

@@ -1,6 +1,6 @@
 """Request control: one request's life in one place.
 
-The protocol layer (:mod:`extproc.server`) asks for a decision and reports what Envoy told it;
+The protocol layer (:mod:`extproc.protocol`) asks for a decision and reports what Envoy told it;
 everything in between happens here, in order:
 
 1. **resolve** the model to its route, once, against one catalog snapshot (the decision that

@@ -23,6 +23,8 @@ from extproc.control.load import LoadView
 from extproc.control.requests import RequestControl
 from extproc.engines.discovery import ModelDiscovery
 from extproc.engines.scraper import EngineScraper
+from extproc.protocol.budget import BodyBudget
+from extproc.protocol.listener import ExtProcListener
 from extproc.scheduling.calibration import Calibration, fitted_profiles
 from extproc.scheduling.hooks import calibrate, remember_affinity
 from extproc.scheduling.policy import Policy
@@ -35,8 +37,6 @@ from extproc.serve.loop_lag import watch_loop_lag
 from extproc.serve.memory import GcWatch, bound_young_generation, freeze_startup_heap, trim_forever
 from extproc.serve.observed import observe_worker_sets
 from extproc.serve.prefix_routing import PrefixRouting
-from extproc.server.budget import BodyBudget
-from extproc.server.listener import ExtProcListener
 from extproc.settings import ServeSettings, parse_host_port
 from extproc.sources.file import FileSource, ReloadOutcome
 from extproc.sources.kube import KubeSource

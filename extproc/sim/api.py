@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -27,12 +27,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from extproc import __version__
 from extproc.openai import ChatPrompt, CompletionPrompt, flag
 from extproc.sim import responses, sglang
-from extproc.sim.metrics import EngineMetrics
-from extproc.sim.ranks import Rank, Run
+from extproc.sim.engine import Engine
 from extproc.sim.requests import (
     Generation,
     Limits,
-    ServedModel,
     SimRequestError,
     parse_chat,
     parse_completion,
@@ -41,40 +39,7 @@ from extproc.sim.requests import (
     sglang_resolve_model,
 )
 from extproc.sim.responses import ResponseHead, Usage
-from extproc.sim.settings import SimSettings
-from extproc.tokenize import ChatTemplate, Tokenizer
 from extproc.tokenize.prompts import chat_prompt_ids, completion_prompt_ids
-
-
-class Engine(Protocol):
-    """What the HTTP surface needs of the engine behind it (defined here, by its consumer)."""
-
-    @property
-    def settings(self) -> SimSettings: ...
-    @property
-    def tokenizer(self) -> Tokenizer: ...
-    @property
-    def chat_template(self) -> ChatTemplate: ...
-    @property
-    def models(self) -> Mapping[str, ServedModel]: ...
-    @property
-    def lora_paths(self) -> Mapping[str, str]: ...
-    @property
-    def base_name(self) -> str: ...
-    @property
-    def started_at(self) -> float: ...
-    @property
-    def metrics(self) -> EngineMetrics: ...
-    @property
-    def ranks(self) -> Sequence[Rank]: ...
-
-    def next_request_id(self) -> int: ...
-    def pick_rank(self, header: str | None) -> Rank: ...
-    def submit(self, rank: Rank, gen: Generation, *, request_id: str) -> Run: ...
-    def reset_prefix_cache(self) -> list[int]: ...
-    def control_kv_events(self, body: Mapping[str, Any]) -> None: ...
-    def state(self) -> dict[str, Any]: ...
-
 
 DP_RANK_HEADER = "X-data-parallel-rank"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

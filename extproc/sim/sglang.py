@@ -28,7 +28,7 @@ follows them:
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -36,11 +36,9 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from extproc.sim.engine import Engine
 from extproc.sim.metrics import ITL_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS, BatchHistogram, RankStats
 from extproc.sim.requests import SimRequestError
-
-if TYPE_CHECKING:
-    from extproc.sim.api import Engine
 
 #: The version ``/server_info`` reports: the SGLang release whose surface this follows.
 SGLANG_VERSION = "0.5.23"

@@ -55,7 +55,7 @@ async def test_not_ready_until_catalog_loaded() -> None:
     """Before the catalog is loaded, readiness says NOT_SERVING while liveness says SERVING."""
     settings = ServeSettings(source=SourceSettings.parse(f"file:{DATA}"), listen="127.0.0.1:0")
     server = Server(settings)
-    from extproc.server.health import HealthService
+    from extproc.protocol.health import HealthService
 
     health = HealthService(lambda: server.store.loaded)
     assert health.status("readiness") == Status.NOT_SERVING

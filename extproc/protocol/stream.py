@@ -36,10 +36,10 @@ from extproc.openai import (
 )
 from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from extproc.protocol import messages
+from extproc.protocol.accounting import LEASE_HEADER, PREFILL_HEADER
+from extproc.protocol.budget import BodyBudget
 from extproc.scheduling.scheduler import Decision
-from extproc.server import messages
-from extproc.server.accounting import LEASE_HEADER, PREFILL_HEADER
-from extproc.server.budget import BodyBudget
 from extproc.telemetry import LogLimiter, Metrics, clip
 from extproc.types import EndpointAddress
 
@@ -336,7 +336,7 @@ class RequestStream:
             # vLLM's API server sends a request to this DP rank (the one holding the prefix).
             extra[DP_RANK_HEADER] = str(rank)
         # Always set (overwriting anything a client sent): the accounting stream
-        # (:mod:`extproc.server.accounting`) reads them back.
+        # (:mod:`extproc.protocol.accounting`) reads them back.
         extra[LEASE_HEADER] = routed.token
         extra[PREFILL_HEADER] = f"{tokens},{seconds:.4f}"
         if body is not None:

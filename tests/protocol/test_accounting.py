@@ -7,9 +7,9 @@ import pytest
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.scheduling.predictor import PredictedTTFT
 from extproc.scheduling.profiles import DEFAULT
-from extproc.server.accounting import AccountingStream, prefill_hint
+from extproc.protocol.accounting import AccountingStream, prefill_hint
 from extproc.types import EndpointAddress
-from server.test_stream import Harness, body, chat, headers, set_headers
+from protocol.test_stream import Harness, body, chat, headers, set_headers
 
 
 def observing(destination: str, prefill: str | None = None) -> ep.ProcessingRequest:

@@ -12,9 +12,9 @@ from grpc_health.v1 import health_pb2_grpc
 
 from extproc.errors import ConfigError
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from extproc.server.budget import BodyBudget
-from extproc.server.health import HealthService
-from extproc.server.service import ExternalProcessorService, Routing
+from extproc.protocol.budget import BodyBudget
+from extproc.protocol.health import HealthService
+from extproc.protocol.service import ExternalProcessorService, Routing
 from extproc.settings import parse_host_port
 from extproc.telemetry import Metrics
 

@@ -18,10 +18,10 @@ from google.protobuf.message import DecodeError
 
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from extproc.server import messages
-from extproc.server.accounting import AccountingStream, LeaseSource
-from extproc.server.budget import BodyBudget
-from extproc.server.stream import Pending, RequestStream, Router
+from extproc.protocol import messages
+from extproc.protocol.accounting import AccountingStream, LeaseSource
+from extproc.protocol.budget import BodyBudget
+from extproc.protocol.stream import Pending, RequestStream, Router
 from extproc.telemetry import LogLimiter, Metrics
 
 log = logging.getLogger(__name__)

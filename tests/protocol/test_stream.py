@@ -21,9 +21,9 @@ from extproc.scheduling.predictor import PredictedTTFT
 from extproc.scheduling.prefix import PrefixMatch
 from extproc.scheduling.profiles import DEFAULT
 from extproc.scheduling.scheduler import Decision, Scheduler
-from extproc.server.budget import BodyBudget
-from extproc.server.messages import STREAM_CHUNK_BYTES
-from extproc.server.stream import RequestStream
+from extproc.protocol.budget import BodyBudget
+from extproc.protocol.messages import STREAM_CHUNK_BYTES
+from extproc.protocol.stream import RequestStream
 from extproc.telemetry import Metrics
 from extproc.types import EndpointAddress, ModelName, WorkerSetKey
 

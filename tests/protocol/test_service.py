@@ -16,9 +16,9 @@ from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.serve.app import Server
-from extproc.server import service
+from extproc.protocol import service
 from extproc.settings import ServeSettings, SourceSettings
-from server.test_stream import body, chat, headers, response_headers
+from protocol.test_stream import body, chat, headers, response_headers
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "catalog.yaml"
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
@@ -147,7 +147,7 @@ async def test_a_request_abandoned_before_its_response_releases_its_count_quietl
                 lambda: ended.labels("routing", "cancelled")._value.get() == 20, what="counted as reset"
             )
             await eventually(lambda: not service._READS, what="every receive finished")
-    noise = [r for r in caplog.records if r.name.startswith(("extproc.server", "asyncio", "grpc"))]
+    noise = [r for r in caplog.records if r.name.startswith(("extproc.protocol", "asyncio", "grpc"))]
     assert not noise, caplog.text
 
 

@@ -1,7 +1,7 @@
 """Accounting streams: an ext_proc filter in observability mode counting a request in flight.
 
 Behind the shipped Envoy configs each request reaches the picker twice. The routing filter's
-stream (:mod:`extproc.server.stream`) decides and ends with the response headers, so a picker going
+stream (:mod:`extproc.protocol.stream`) decides and ends with the response headers, so a picker going
 away mid-response cuts nothing. A second filter, in ``observability_mode`` and after the routing
 one, sends the request headers (with the destination and the ``x-extproc-lease`` /
 ``x-extproc-prefill`` headers our routing answer set) and lasts until the response has ended. Its
@@ -16,7 +16,7 @@ from typing import Protocol
 
 from extproc.control.load import Lease
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from extproc.server import messages
+from extproc.protocol import messages
 
 #: The pick's predicted prefill ("tokens,seconds"), set by the routing answer, so the accounting
 #: stream can charge the endpoint for it whichever replica it reaches.
