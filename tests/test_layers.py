@@ -2,9 +2,9 @@
 and ``TYPE_CHECKING`` blocks included); ``from pkg import mod`` counts as an import of ``pkg.mod``.
 
 Data flows one way (DESIGN.md): sources -> catalog <- engines / kvindex; protocol -> control ->
-scheduling -> state. Each package may import only the packages listed for it below (and itself); the adapters to
-``grpc``, ``zmq`` and ``kubernetes`` live in one package each; the reconciler never reaches into
-the request path. A new package must be placed here before it can be imported anywhere.
+scheduling -> state. Each package may import only the packages listed for it below (and itself);
+the adapters to ``grpc``, ``zmq`` and ``kubernetes`` live in one package each; the reconciler never
+reaches into the request path. A new package must be placed here before it can be imported anywhere.
 """
 
 from __future__ import annotations

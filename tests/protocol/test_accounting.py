@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from extproc.protocol.accounting import AccountingStream, prefill_hint
 from extproc.scheduling.predictor import PredictedTTFT
 from extproc.scheduling.profiles import DEFAULT
-from extproc.protocol.accounting import AccountingStream, prefill_hint
 from extproc.types import EndpointAddress
 from protocol.test_stream import Harness, body, chat, headers, set_headers
 

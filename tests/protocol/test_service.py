@@ -15,8 +15,8 @@ from waiting import eventually
 from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from extproc.serve.app import Server
 from extproc.protocol import service
+from extproc.serve.app import Server
 from extproc.settings import ServeSettings, SourceSettings
 from protocol.test_stream import body, chat, headers, response_headers
 

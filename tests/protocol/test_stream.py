@@ -16,14 +16,14 @@ from extproc.control.requests import RequestControl
 from extproc.openai import InferenceRequest
 from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from extproc.protocol.budget import BodyBudget
+from extproc.protocol.messages import STREAM_CHUNK_BYTES
+from extproc.protocol.stream import RequestStream
 from extproc.scheduling.cache_then_load import CacheThenLoad
 from extproc.scheduling.predictor import PredictedTTFT
 from extproc.scheduling.prefix import PrefixMatch
 from extproc.scheduling.profiles import DEFAULT
 from extproc.scheduling.scheduler import Decision, Scheduler
-from extproc.protocol.budget import BodyBudget
-from extproc.protocol.messages import STREAM_CHUNK_BYTES
-from extproc.protocol.stream import RequestStream
 from extproc.telemetry import Metrics
 from extproc.types import EndpointAddress, ModelName, WorkerSetKey
 
