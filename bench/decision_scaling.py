@@ -29,8 +29,8 @@ from machine import machine, provenance, record
 
 from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from extproc.serve.app import Server
 from extproc.protocol.stream import Pending, RequestStream
+from extproc.serve.app import Server
 from extproc.settings import PrefixSettings, ServeSettings, SourceSettings, TokenizerSpec
 from extproc.sources.file import FileSource
 

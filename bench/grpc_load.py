@@ -261,8 +261,8 @@ def stream_logic_us(catalog: Path, body: bytes, repeats: int = 5) -> float | str
 
 
 def _stream_logic_us(catalog: Path, body: bytes, repeats: int) -> float:
-    from extproc.serve.app import Server
     from extproc.protocol.stream import RequestStream
+    from extproc.serve.app import Server
     from extproc.settings import ServeSettings, SourceSettings
 
     server = Server(ServeSettings(source=SourceSettings.parse(f"file:{catalog}"), seed=1))
