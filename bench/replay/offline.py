@@ -213,8 +213,7 @@ class OfflineReplay:
         prompt = prompt_tokens(request, self.vocab)
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
         started = time.perf_counter()
-        catalog = self.store.current
-        decision = self.scheduler.decide(catalog, catalog.resolve(MODEL), read_request(PATH, body))
+        decision = self.control.decide(read_request(PATH, body))
         address = decision.pick.address
         record = Sent(request.index, address)
         record.router_cached = decision.prefix.cached_tokens.get(address, 0)

@@ -239,9 +239,7 @@ async def _replay(
                     await asyncio.sleep(delay)
                 record = Sent(request.index, "", lag_s=max(time.monotonic() - due, 0.0))
                 sent.append(record)
-                tasks.append(
-                    asyncio.create_task(_one(session, store, control, arm, request, cfg, vocab, record))
-                )
+                tasks.append(asyncio.create_task(_one(session, control, arm, request, cfg, vocab, record)))
             await asyncio.gather(*tasks)
             wall = time.monotonic() - t0
             cpu = time.process_time() - cpu0
@@ -281,7 +279,6 @@ async def _wait_subscribed(routing: PrefixRouting, sources: int, wait_s: float =
 
 async def _one(
     session: aiohttp.ClientSession,
-    store: CatalogStore,
     control: RequestControl,
     arm: Arm,
     request: TraceRequest,
@@ -299,8 +296,7 @@ async def _one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    catalog = store.current
-    decision = control.scheduler.decide(catalog, catalog.resolve(MODEL), read_request(PATH, body))
+    decision = control.decide(read_request(PATH, body))
     address = decision.pick.address
     record.endpoint = address
     record.router_cached = decision.prefix.cached_tokens.get(address, 0)

@@ -108,10 +108,7 @@ class RequestControl:
         catalog = self._catalog()
         if request is None:
             return self._lease(self.scheduler.decide(catalog, None, None, subset))
-        route = catalog.resolve(request.model)
-        if route is None:
-            # Clipped: the name is the client's, and may be a megabyte long.
-            raise ModelNotFound(f"The model '{clip(request.model, 256)}' does not exist.", param="model")
+        route = _resolve(catalog, request)
         matcher = self.scheduler.prefix
         if matcher is not None and matcher.tokenizes_first(route, request):
             return self._route_tokenized(catalog, route, request, subset)
@@ -123,6 +120,13 @@ class RequestControl:
         assert self.scheduler.prefix is not None
         tokenized = await self.scheduler.prefix.prompt_tokens(route, request, catalog)
         return self._lease(self.scheduler.decide(catalog, route, request, subset, tokenized))
+
+    def decide(self, request: InferenceRequest | None, subset: frozenset[str] | None = None) -> Decision:
+        """What :meth:`route` would pick now (the prompt tokenized inline), without leasing it:
+        for callers that hold their own leases (the replay benchmarks) or only ask (tests)."""
+        catalog = self._catalog()
+        route = None if request is None else _resolve(catalog, request)
+        return self.scheduler.decide(catalog, route, request, subset)
 
     def _lease(self, decision: Decision) -> RoutedRequest:
         tokens, seconds = decision.prefill
@@ -189,3 +193,11 @@ class RequestControl:
     def debug_state(self) -> dict[str, object]:
         """``/debug/state``'s ``leases``: who we are and the handover's counters."""
         return {"owner": self.owner, "held": len(self.load), "handover": self.handover.debug_state()}
+
+
+def _resolve(catalog: Catalog, request: InferenceRequest) -> Route:
+    route = catalog.resolve(request.model)
+    if route is None:
+        # Clipped: the name is the client's, and may be a megabyte long.
+        raise ModelNotFound(f"The model '{clip(request.model, 256)}' does not exist.", param="model")
+    return route

@@ -48,9 +48,9 @@ async def test_endpoint_mode_routes_discovered_names_adapters_and_aliases(tmp_pa
         assert [e.address for e in sql.endpoints] == [engines[0].address]
         assert chat.upstream_model == LLAMA and len(chat.endpoints) == 2
         assert catalog_now.context_window(chat.endpoints[0].address, chat.upstream_model) == 4096
-        decision = server.scheduler.schedule(read_request("/v1/completions", {"model": "sql", "prompt": "q"}))
+        decision = server.control.decide(read_request("/v1/completions", {"model": "sql", "prompt": "q"}))
         assert decision.endpoints[0].address == engines[0].address
-        assert sorted(name for name, _ in server.scheduler.models()) == sorted(["chat", LLAMA, "sql"])
+        assert sorted(name for name, _ in server.control.models()) == sorted(["chat", LLAMA, "sql"])
 
 
 async def test_context_window_filter_refuses_what_no_endpoint_can_hold(tmp_path: Path) -> None:
@@ -68,7 +68,7 @@ async def test_context_window_filter_refuses_what_no_endpoint_can_hold(tmp_path:
             what="the context window discovered",
         )
         prompt = {"model": "chat", "prompt": "hello there"}
-        fits = server.scheduler.schedule(read_request("/v1/completions", {**prompt, "max_tokens": 100}))
+        fits = server.control.decide(read_request("/v1/completions", {**prompt, "max_tokens": 100}))
         assert fits.endpoints[0].address == engine.address
         with pytest.raises(BadRequest, match=r"largest context window .*\(4096\)"):
-            server.scheduler.schedule(read_request("/v1/completions", {**prompt, "max_tokens": 5000}))
+            server.control.decide(read_request("/v1/completions", {**prompt, "max_tokens": 5000}))

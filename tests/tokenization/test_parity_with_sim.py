@@ -350,7 +350,7 @@ async def test_other_template_gives_other_ids_and_misses_the_engines_cache(
         # What each router's scheduler credits the engine with for a follow-up chat.
         follow_up = {**chat, "messages": [chat["messages"][0], {"role": "user", "content": "Bye"}]}
         credited = {
-            template: server.scheduler.schedule(read_request(CHAT, {**follow_up, "model": "chat"})).prefix
+            template: server.control.decide(read_request(CHAT, {**follow_up, "model": "chat"})).prefix
             for template, server in routers.items()
         }
         assert credited["llama3"].mode == "precise"
