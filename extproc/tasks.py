@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import Any, Self
 
 
 async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
@@ -30,3 +30,20 @@ async def sleep_or_wake(event: asyncio.Event, seconds: float) -> None:
         await asyncio.wait({waiter}, timeout=max(seconds, 0.0))
     finally:
         waiter.cancel()
+
+
+class StartStop:
+    """``async with`` for what has ``start()`` and ``stop()``: stopped however the block ends."""
+
+    async def start(self) -> object:
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()

@@ -27,10 +27,11 @@ import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
+
+from extproc.tasks import StartStop
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 CHUNKS_HEADER = "x-backend-chunks"
@@ -91,7 +92,7 @@ class _BadRequest(Exception):
         self.code = code
 
 
-class Backend:
+class Backend(StartStop):
     """One fake model server on ``host:port`` (``port=0`` picks a free port).
 
     ``async with Backend("b1") as b:`` starts it on 127.0.0.1; ``b.address`` is ``"127.0.0.1:PORT"``.
@@ -164,15 +165,6 @@ class Backend:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
 
     @property
     def host(self) -> str:

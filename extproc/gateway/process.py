@@ -26,8 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import Any, BinaryIO, Self
+from typing import Any, BinaryIO
 from urllib.parse import quote
 
 import aiohttp
@@ -35,6 +34,7 @@ import yaml
 
 from extproc.errors import ExtprocError
 from extproc.gateway.config import admin_port_of
+from extproc.tasks import StartStop
 
 _LOG_TAIL_LINES = 40
 #: ``--mode validate`` takes ~0.13 s; this only guards against a wedged binary.
@@ -158,7 +158,7 @@ async def validate_config(config: Mapping[str, Any]) -> None:
 # Running Envoy
 
 
-class EnvoyProcess:
+class EnvoyProcess(StartStop):
     """Real Envoy as a child process, ready (admin ``/ready`` == LIVE) inside the ``async with``.
 
     ``async with EnvoyProcess(config, log_path=...) as envoy:`` writes the config to a temp file,
@@ -202,15 +202,6 @@ class EnvoyProcess:
         self.log_path: Path | None = self._user_log_path
 
     # -- lifecycle -------------------------------------------------------------------------------
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
 
     @property
     def pid(self) -> int | None:

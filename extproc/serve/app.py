@@ -40,7 +40,7 @@ from extproc.serve.prefix_routing import PrefixRouting
 from extproc.settings import ServeSettings, parse_host_port
 from extproc.sources.file import FileSource, ReloadOutcome
 from extproc.sources.kube import KubeSource
-from extproc.tasks import cancel_and_wait
+from extproc.tasks import StartStop, cancel_and_wait
 from extproc.telemetry import Metrics
 from extproc.types import WorkerSetKey
 
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 TOKENIZING_SWITCH_INTERVAL = 0.0002
 
 
-class Server:
+class Server(StartStop):
     """A running ``serve``: call :meth:`start`, then :meth:`stop` (or use ``async with``)."""
 
     def __init__(self, settings: ServeSettings) -> None:
@@ -333,13 +333,6 @@ class Server:
         await self.prefix.close()
         await self.scraper.close()
         await self.discovery.close()
-
-    async def __aenter__(self) -> Server:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
 
 async def serve(settings: ServeSettings, *, stop: asyncio.Event) -> None:
