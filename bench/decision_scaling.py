@@ -56,7 +56,7 @@ def catalog(tmp: Path, endpoints: int, precise: bool) -> Path:
 
 async def handle_stream(server: Server, messages: list[ep.ProcessingRequest]) -> None:
     """One request's ext_proc messages handled as serve's gRPC service does, without gRPC."""
-    stream = RequestStream(server.control, server.metrics, max_body_bytes=1 << 24, budget=server.budget)
+    stream = RequestStream(server.control, server.metrics, server.stream_options)
     for message in messages:
         answer = stream.handle(message)
         if isinstance(answer, Pending):

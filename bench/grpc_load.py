@@ -270,7 +270,7 @@ def _stream_logic_us(catalog: Path, body: bytes, repeats: int) -> float:
     messages = [*request_messages(body), response_headers_message()]
 
     def one() -> None:
-        stream = RequestStream(server.control, server.metrics, max_body_bytes=1 << 24, budget=server.budget)
+        stream = RequestStream(server.control, server.metrics, server.stream_options)
         for message in messages:
             stream.handle(message)
         stream.close()

@@ -12,9 +12,9 @@ from grpc_health.v1 import health_pb2_grpc
 
 from extproc.errors import ConfigError
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from extproc.protocol.budget import BodyBudget
 from extproc.protocol.health import HealthService
 from extproc.protocol.service import ExternalProcessorService, Routing
+from extproc.protocol.stream import StreamOptions
 from extproc.settings import parse_host_port
 from extproc.telemetry import Metrics
 
@@ -41,15 +41,13 @@ class ExtProcListener:
         listen: str,
         router: Routing,
         metrics: Metrics,
-        max_body_bytes: int,
-        budget: BodyBudget,
-        decision_headers: bool,
+        options: StreamOptions,
         ready: Callable[[], bool],
     ) -> ExtProcListener:
         """Listen on ``listen`` (the ``--listen`` value); ConfigError when the address is unusable."""
         # Envoy sends a body chunk as large as its buffer limit (32 MiB in the shipped configs) in one
         # message; refusing it at the gRPC layer would turn into a bare 500 instead of our 413.
-        limit = max(max_body_bytes, _ENVOY_CHUNK_MAX) + _GRPC_OVERHEAD
+        limit = max(options.max_body_bytes, _ENVOY_CHUNK_MAX) + _GRPC_OVERHEAD
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", limit),
@@ -67,13 +65,7 @@ class ExtProcListener:
             ]
         )
         ep_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessorService(
-                router,
-                metrics,
-                max_body_bytes=max_body_bytes,
-                budget=budget,
-                decision_headers=decision_headers,
-            ),
+            ExternalProcessorService(router, metrics, options),
             server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(HealthService(ready), server)

@@ -20,8 +20,7 @@ from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.protocol import messages
 from extproc.protocol.accounting import AccountingStream, LeaseSource
-from extproc.protocol.budget import BodyBudget
-from extproc.protocol.stream import Pending, RequestStream, Router
+from extproc.protocol.stream import Pending, RequestStream, Router, StreamOptions
 from extproc.telemetry import LogLimiter, Metrics
 
 log = logging.getLogger(__name__)
@@ -49,20 +48,10 @@ class Routing(Router, LeaseSource, Protocol):
 class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
     """One RequestStream per ext_proc stream; a failure in one never touches another."""
 
-    def __init__(
-        self,
-        router: Routing,
-        metrics: Metrics,
-        *,
-        max_body_bytes: int,
-        budget: BodyBudget,
-        decision_headers: bool = False,
-    ) -> None:
+    def __init__(self, router: Routing, metrics: Metrics, options: StreamOptions) -> None:
         self._router = router
         self._metrics = metrics
-        self._max_body = max_body_bytes
-        self._budget = budget
-        self._decision_headers = decision_headers
+        self._options = options
 
     async def Process(
         self,
@@ -130,13 +119,7 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
         """A routing stream, or an accounting one when its filter runs in observability mode."""
         if first.observability_mode:
             return AccountingStream(self._router)
-        return RequestStream(
-            self._router,
-            self._metrics,
-            max_body_bytes=self._max_body,
-            budget=self._budget,
-            decision_headers=self._decision_headers,
-        )
+        return RequestStream(self._router, self._metrics, self._options)
 
 
 class Receiver:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeAlias
 
 from extproc.errors import BadRequest, BodyTooLarge, ModelNotFound, Overloaded, RequestError
@@ -114,24 +115,28 @@ class Router(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class StreamOptions:
+    """What every routing stream of one ``serve`` is given."""
+
+    #: Larger request bodies get 413 (``--max-body-bytes``).
+    max_body_bytes: int
+    #: Request-body bytes all streams may hold at once (``--max-buffered-bytes``).
+    budget: BodyBudget
+    #: Add headers explaining the pick to the client's response (``--decision-headers``).
+    decision_headers: bool = False
+
+
 class RequestStream:
     """State of one ext_proc stream."""
 
-    def __init__(
-        self,
-        router: Router,
-        metrics: Metrics,
-        *,
-        max_body_bytes: int,
-        budget: BodyBudget,
-        decision_headers: bool = False,
-    ) -> None:
+    def __init__(self, router: Router, metrics: Metrics, options: StreamOptions) -> None:
         self._router = router
         self._metrics = metrics
-        self._max_body = max_body_bytes
-        self._budget = budget
+        self._max_body = options.max_body_bytes
+        self._budget = options.budget
         #: Headers describing our decision, added to the client's response (opt-in), once routed.
-        self._explain = decision_headers
+        self._explain = options.decision_headers
         self._explanation: dict[str, str] | None = None
         self._full_duplex = False
         self._headers: dict[str, str] = {}

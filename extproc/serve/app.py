@@ -25,6 +25,7 @@ from extproc.engines.discovery import ModelDiscovery
 from extproc.engines.scraper import EngineScraper
 from extproc.protocol.budget import BodyBudget
 from extproc.protocol.listener import ExtProcListener
+from extproc.protocol.stream import StreamOptions
 from extproc.scheduling.calibration import Calibration, fitted_profiles
 from extproc.scheduling.hooks import calibrate, remember_affinity
 from extproc.scheduling.policy import Policy
@@ -100,6 +101,7 @@ class Server(StartStop):
             on_retried_away=self.scraper.retried_away if scraping else None,
         )
         self.budget = BodyBudget(settings.max_buffered_bytes)
+        self.stream_options = StreamOptions(settings.max_body_bytes, self.budget, settings.decision_headers)
         self.metrics.registry.register(CatalogCollector(lambda: self.store.current, self.load.snapshot))
         self.metrics.buffered_bytes.set_function(lambda: self.budget.held)
         self.metrics.registry.register(self.prefix.collector())
@@ -237,9 +239,7 @@ class Server(StartStop):
             listen=self.settings.listen,
             router=self.control,
             metrics=self.metrics,
-            max_body_bytes=self.settings.max_body_bytes,
-            budget=self.budget,
-            decision_headers=self.settings.decision_headers,
+            options=self.stream_options,
             ready=self.ready,
         )
         self.grpc_port = self._grpc.port

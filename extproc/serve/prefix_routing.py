@@ -156,15 +156,7 @@ class PrefixCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         r = self._routing
-        lookups = CounterMetricFamily(
-            "extproc_prefix_lookups",
-            "Requests by how their prompt was matched against caches: precise (tokenized, KV events), "
-            "approximate (our own routing history), none.",
-            labels=["mode"],
-        )
-        for mode, count in r.matcher.counters.lookups.items():
-            lookups.add_metric([mode], count)
-        yield lookups
+        yield from MatcherCollector(r.matcher).collect()
         pool = r.tokenize_pool
         if pool is not None:
             fallbacks = CounterMetricFamily(
@@ -199,21 +191,6 @@ class PrefixCollector(Collector):
                 "tree nothing a later prompt reuses (a conversation's next turn repeats its history).",
                 value=pool.skipped,
             )
-        counters = r.matcher.counters
-        yield _hold_histogram(
-            "extproc_tokenize_loop_seconds",
-            "How long each prompt's tokenization held the event loop (rendering, finding its "
-            "known prefix, encoding a short new part; with --tokenize-threads 0, all of it; the "
-            "rest runs in the pool). Every decision in flight waits that long.",
-            counters.loop_hold,
-        )
-        yield _hold_histogram(
-            "extproc_tokenize_loop_cpu_seconds",
-            "The same holds in the loop thread's CPU time. Wall time above it is the thread "
-            "waiting: for a core, for the GIL, or (with --tokenize-threads 0) for the tokenizer "
-            "library's own threads.",
-            counters.loop_hold_cpu,
-        )
         lookups_cached = CounterMetricFamily(
             "extproc_tokenize_cache_lookups",
             "Prompt pieces (text between added tokens) looked up in a model's cache of their ids: a "
@@ -239,11 +216,6 @@ class PrefixCollector(Collector):
                 held.add_metric([model], held_bytes)
         yield lookups_cached
         yield held
-        yield CounterMetricFamily(
-            "extproc_prefix_tokenize_errors",
-            "Prompts the model's tokenizer or chat template could not process (routed approximately).",
-            value=r.matcher.counters.tokenize_errors,
-        )
         batches = CounterMetricFamily(
             "extproc_kv_event_batches", "KV-event batches received, by outcome.", labels=["outcome"]
         )
@@ -336,3 +308,41 @@ class PrefixCollector(Collector):
         malformed.add_metric(["malformed"], sum(s.counters.malformed for s in stats.values()))
         malformed.add_metric(["oversized"], sum(s.counters.oversized for s in stats.values()))
         yield malformed
+
+
+class MatcherCollector(Collector):
+    """The prefix matcher's metrics: lookups by mode, tokenizing's holds on the loop, tokenize errors."""
+
+    def __init__(self, matcher: PrefixMatcher) -> None:
+        self._matcher = matcher
+
+    def collect(self) -> Iterable[Metric]:
+        lookups = CounterMetricFamily(
+            "extproc_prefix_lookups",
+            "Requests by how their prompt was matched against caches: precise (tokenized, KV events), "
+            "approximate (our own routing history), none.",
+            labels=["mode"],
+        )
+        for mode, count in self._matcher.counters.lookups.items():
+            lookups.add_metric([mode], count)
+        yield lookups
+        counters = self._matcher.counters
+        yield _hold_histogram(
+            "extproc_tokenize_loop_seconds",
+            "How long each prompt's tokenization held the event loop (rendering, finding its "
+            "known prefix, encoding a short new part; with --tokenize-threads 0, all of it; the "
+            "rest runs in the pool). Every decision in flight waits that long.",
+            counters.loop_hold,
+        )
+        yield _hold_histogram(
+            "extproc_tokenize_loop_cpu_seconds",
+            "The same holds in the loop thread's CPU time. Wall time above it is the thread "
+            "waiting: for a core, for the GIL, or (with --tokenize-threads 0) for the tokenizer "
+            "library's own threads.",
+            counters.loop_hold_cpu,
+        )
+        yield CounterMetricFamily(
+            "extproc_prefix_tokenize_errors",
+            "Prompts the model's tokenizer or chat template could not process (routed approximately).",
+            value=self._matcher.counters.tokenize_errors,
+        )

@@ -65,7 +65,7 @@ async def test_undecodable_messages_get_invalid_argument_without_tracebacks(
         request.request_headers.end_of_stream = True
         [answer] = await _send(channel, request.SerializeToString())
     assert ep.ProcessingResponse.FromString(answer).immediate_response.status.code == 200
-    assert server.metrics.requests.labels("malformed_message")._value.get() == 5
+    assert metric(server, "extproc_requests_total", outcome="malformed_message") == 5
 
 
 def _models_request() -> bytes:
@@ -116,11 +116,11 @@ async def test_an_accounting_stream_counts_until_the_half_close_and_takes_envoys
         await call.done_writing()
         await eventually(lambda: sum(in_flight(server).values()) == 0, what="released at the half-close")
         assert call.cancel()  # it was still open, waiting for the reset
-    ended = server.metrics.streams_ended
     await eventually(
-        lambda: ended.labels("accounting", "closed")._value.get() == 1, what="the stream counted as closed"
+        lambda: metric(server, "extproc_streams_ended_total", kind="accounting", how="closed") == 1,
+        what="the stream counted as closed",
     )
-    assert ended.labels("accounting", "cancelled")._value.get() == 0
+    assert metric(server, "extproc_streams_ended_total", kind="accounting", how="cancelled") == 0
 
 
 async def test_a_request_abandoned_before_its_response_releases_its_count_quietly(
@@ -142,9 +142,9 @@ async def test_a_request_abandoned_before_its_response_releases_its_count_quietl
             for call in calls:
                 assert call.cancel()
             await eventually(lambda: sum(in_flight(server).values()) == 0, what="released at the reset")
-            ended = server.metrics.streams_ended
             await eventually(
-                lambda: ended.labels("routing", "cancelled")._value.get() == 20, what="counted as reset"
+                lambda: metric(server, "extproc_streams_ended_total", kind="routing", how="cancelled") == 20,
+                what="counted as reset",
             )
             await eventually(lambda: not service._READS, what="every receive finished")
     noise = [r for r in caplog.records if r.name.startswith(("extproc.protocol", "asyncio", "grpc"))]
@@ -196,3 +196,8 @@ def in_flight(server: Server) -> dict[str, int]:
     """What ``/debug/state`` says is in flight, per endpoint."""
     counts: dict[str, int] = server.debug_state()["inflight"]
     return counts
+
+
+def metric(server: Server, name: str, **labels: str) -> float:
+    """A sample of serve's /metrics, as Prometheus scrapes it (0 when the series is absent)."""
+    return server.metrics.registry.get_sample_value(name, labels) or 0.0

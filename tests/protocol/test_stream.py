@@ -18,7 +18,7 @@ from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.protocol.budget import BodyBudget
 from extproc.protocol.messages import STREAM_CHUNK_BYTES
-from extproc.protocol.stream import RequestStream
+from extproc.protocol.stream import RequestStream, StreamOptions
 from extproc.scheduling.cache_then_load import CacheThenLoad
 from extproc.scheduling.predictor import PredictedTTFT
 from extproc.scheduling.prefix import PrefixMatch
@@ -65,7 +65,7 @@ class Harness:
         self.budget = BodyBudget(budget)
 
     def stream(self) -> RequestStream:
-        return RequestStream(self.control, self.metrics, max_body_bytes=self.max_body, budget=self.budget)
+        return RequestStream(self.control, self.metrics, StreamOptions(self.max_body, self.budget))
 
 
 def headers(
@@ -397,7 +397,7 @@ def test_data_parallel_rank_header_names_the_rank_holding_the_prefix(
     rank: int | None, expected: str | None
 ) -> None:
     """When a DP rank of the pick holds the prefix, the request carries x-data-parallel-rank for vLLM."""
-    s = RequestStream(_RankedRouter(rank), Metrics(), max_body_bytes=1 << 20, budget=BodyBudget(1 << 30))
+    s = RequestStream(_RankedRouter(rank), Metrics(), StreamOptions(1 << 20, BodyBudget(1 << 30)))
     s.handle(headers())
     [answer] = s.handle(body(chat("llama-3-8b")))
     assert set_headers(answer.request_body.response).get("x-data-parallel-rank") == expected
@@ -465,7 +465,7 @@ def test_envoys_report_on_the_pick_reaches_the_router(
     router that endpoint may be gone; the response itself goes on untouched."""
     router = _RankedRouter(None)
     metrics = Metrics()
-    s = RequestStream(router, metrics, max_body_bytes=1 << 20, budget=BodyBudget(1 << 30))
+    s = RequestStream(router, metrics, StreamOptions(1 << 20, BodyBudget(1 << 30)))
     s.handle(headers())
     s.handle(body(chat("llama-3-8b")))
     [reply] = s.handle(_envoy_answer(*answer, filter_name="my-picker"))
@@ -479,7 +479,7 @@ def test_envoys_report_on_the_pick_reaches_the_router(
 def test_response_headers_without_attributes_report_nothing() -> None:
     """Configs that do not ask for the attributes (older ones) work as before."""
     router = _RankedRouter(None)
-    s = RequestStream(router, Metrics(), max_body_bytes=1 << 20, budget=BodyBudget(1 << 30))
+    s = RequestStream(router, Metrics(), StreamOptions(1 << 20, BodyBudget(1 << 30)))
     s.handle(headers())
     s.handle(body(chat("llama-3-8b")))
     s.handle(response_headers())
@@ -491,7 +491,7 @@ def test_decision_headers_reach_the_client_only_when_asked(enabled: bool) -> Non
     """--decision-headers adds the pick, prefix mode and cached tokens to the response; off by default."""
     router = _RankedRouter(None)
     s = RequestStream(
-        router, Metrics(), max_body_bytes=1 << 20, budget=BodyBudget(1 << 30), decision_headers=enabled
+        router, Metrics(), StreamOptions(1 << 20, BodyBudget(1 << 30), decision_headers=enabled)
     )
     s.handle(headers())
     s.handle(body(chat("llama-3-8b")))

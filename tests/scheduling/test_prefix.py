@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 import pytest
 from catalog.test_build import build, eps, iws, svc
+from prometheus_client import CollectorRegistry
 
 from extproc.catalog.model import Catalog, Route
 from extproc.kvindex.approx import CHARS_PER_BLOCK, CHARS_PER_TOKEN, ApproxPrefixIndex
@@ -26,6 +27,7 @@ from extproc.kvindex.ingest import IndexIngest
 from extproc.kvindex.keys import block_keys, namespace_seed
 from extproc.openai import InferenceRequest, parse_request, read_request
 from extproc.scheduling.prefix import PrefixMatch, PrefixMatcher, Tokenized
+from extproc.serve.prefix_routing import MatcherCollector
 from extproc.settings import TokenizerSpec
 from extproc.sim.kv_events import BlockStored
 from extproc.sim.kv_wire import encode_batch
@@ -128,7 +130,30 @@ class Router:
             blocked=lambda: blocked,
             pool=pool,
         )
+        #: The matcher's metrics, as serve's /metrics exposes them.
+        self.metrics = CollectorRegistry()
+        self.metrics.register(MatcherCollector(self.matcher))
         self._seq = 0
+
+    def lookups(self) -> dict[str, float]:
+        """``extproc_prefix_lookups_total`` by mode."""
+        return {
+            mode: self.metrics.get_sample_value("extproc_prefix_lookups_total", {"mode": mode}) or 0
+            for mode in ("precise", "approximate", "none")
+        }
+
+    def tokenize_errors(self) -> float:
+        return self.metrics.get_sample_value("extproc_prefix_tokenize_errors_total") or 0
+
+    def loop_holds(self) -> dict[str, tuple[float, float]]:
+        """(count, sum) of the loop-hold histograms: wall and CPU."""
+        return {
+            kind: (
+                self.metrics.get_sample_value(f"extproc_tokenize_loop{kind}_seconds_count") or 0,
+                self.metrics.get_sample_value(f"extproc_tokenize_loop{kind}_seconds_sum") or 0,
+            )
+            for kind in ("", "_cpu")
+        }
 
     def route(self, model: str) -> Route:
         route = self.catalog.resolve(model)
@@ -196,8 +221,8 @@ def test_precise_credits_each_endpoint_with_the_blocks_it_holds(path: str, paylo
     assert match.mode == "precise"
     assert match.cached_tokens == {KV1: 5 * 16, KV2: 0, BIG: 2 * 32, PLAIN: 0}
     assert match.prompt_tokens == len(tokens)
-    assert router.matcher.counters.lookups == {"precise": 1, "approximate": 0, "none": 0}
-    assert router.matcher.counters.tokenize_errors == 0
+    assert router.lookups() == {"precise": 1, "approximate": 0, "none": 0}
+    assert router.tokenize_errors() == 0
 
 
 @pytest.mark.parametrize(("path", "payload"), PROMPTS, ids=PROMPT_IDS)
@@ -258,8 +283,8 @@ def test_untokenizable_request_falls_back_to_approximate() -> None:
     assert second.mode == "approximate"
     assert second.cached_tokens[KV2] == len(first.approx_keys) * APPROX_TOKENS_PER_BLOCK > 0
     assert {a: n for a, n in second.cached_tokens.items() if a != KV2} == {KV1: 0, BIG: 0, PLAIN: 0}
-    assert router.matcher.counters.tokenize_errors == 2
-    assert router.matcher.counters.lookups == {"precise": 0, "approximate": 2, "none": 0}
+    assert router.tokenize_errors() == 2
+    assert router.lookups() == {"precise": 0, "approximate": 2, "none": 0}
 
 
 @pytest.mark.parametrize(
@@ -288,7 +313,7 @@ def test_model_without_tokenizer_learns_from_recorded_decisions(
     after = router.match(QWEN, path, second)
     assert after.mode == "approximate"
     assert after.cached_tokens == {Q1: shared_chunks * APPROX_TOKENS_PER_BLOCK, Q2: 0}
-    assert router.matcher.counters.tokenize_errors == 0
+    assert router.tokenize_errors() == 0
 
 
 def test_endpoints_without_kv_events_are_matched_approximately() -> None:
@@ -305,7 +330,7 @@ def test_endpoints_without_kv_events_are_matched_approximately() -> None:
     learned = len(only_plain.approx_keys) * APPROX_TOKENS_PER_BLOCK
     assert learned > 0
     assert mixed.cached_tokens == {KV1: 3 * 16, KV2: 0, BIG: 0, PLAIN: learned}
-    assert router.matcher.counters.lookups == {"precise": 1, "approximate": 1, "none": 0}
+    assert router.lookups() == {"precise": 1, "approximate": 1, "none": 0}
 
 
 @pytest.mark.parametrize(("path", "payload"), PROMPTS, ids=PROMPT_IDS)
@@ -318,7 +343,7 @@ def test_model_blocked_by_tokenizer_parity_is_matched_approximately(
     match = router.match(LLAMA, path, payload)
     assert match.mode == "approximate" and match.prompt_tokens == estimated_tokens(path, payload)
     assert match.cached_tokens == {KV1: 0, KV2: 0, BIG: 0, PLAIN: 0}
-    assert router.matcher.counters.tokenize_errors == 0
+    assert router.tokenize_errors() == 0
 
 
 @pytest.mark.parametrize(
@@ -339,7 +364,7 @@ def test_tokenizer_is_not_consulted_without_kv_event_candidates() -> None:
     router = Router()
     match = router.match(LLAMA, CHAT, {"messages": [{"role": "wizard", "content": LONG}]}, only=[PLAIN])
     assert match.mode == "approximate"
-    assert router.matcher.counters.tokenize_errors == 0
+    assert router.tokenize_errors() == 0
 
 
 @pytest.mark.parametrize(
@@ -368,8 +393,8 @@ def test_requests_without_a_prompt_match_nothing(
     assert match == PrefixMatch("none")
     router.matcher.record(match, Q1)
     assert len(router.matcher.approx) == 0
-    assert router.matcher.counters.lookups == {"precise": 0, "approximate": 0, "none": 1}
-    assert router.matcher.counters.tokenize_errors == tokenize_errors
+    assert router.lookups() == {"precise": 0, "approximate": 0, "none": 1}
+    assert router.tokenize_errors() == tokenize_errors
 
 
 def test_lookups_are_counted_per_mode() -> None:
@@ -382,7 +407,7 @@ def test_lookups_are_counted_per_mode() -> None:
         router.match(QWEN, path, payload)
     router.match(LLAMA, path, payload, only=[PLAIN])
     router.match(LLAMA, "/v1/embeddings", {"input": "x"})
-    assert router.matcher.counters.lookups == {"precise": 3, "approximate": 3, "none": 1}
+    assert router.lookups() == {"precise": 3, "approximate": 3, "none": 1}
 
 
 def dp_catalog(ips: list[str]) -> Catalog:
@@ -513,7 +538,7 @@ async def test_tokens_computed_in_a_worker_process_match_as_inline_ones(
             orjson.dumps({"model": LLAMA, "messages": [{"role": "user", "content": 42}]}), path=CHAT
         )
         assert await router.matcher.prompt_tokens(route, refused) == Tokenized(LLAMA, None)
-        assert router.matcher.counters.tokenize_errors == 1
+        assert router.tokenize_errors() == 1
     finally:
         pool.close()
 
@@ -704,11 +729,11 @@ async def test_how_long_tokenizing_held_the_loop_is_observed_once_per_prompt() -
             request = read_request(CHAT, {"model": LLAMA, **payload})
             tokenized = await router.matcher.prompt_tokens(route, request)
             assert list(tokenized.ids or []) == engine_tokens(CHAT, payload)
-        counters = router.matcher.counters
-        for hold in (counters.loop_hold, counters.loop_hold_cpu):
-            assert sum(hold.counts) == 3 and hold.total > 0
+        holds = router.loop_holds()
+        for count, total in holds.values():
+            assert count == 3 and total > 0
         # The loop thread cannot have spent more CPU time than wall time (with the clocks' grain).
-        assert counters.loop_hold_cpu.total <= counters.loop_hold.total + 0.001
+        assert holds["_cpu"][1] <= holds[""][1] + 0.001
     finally:
         pool.close()
 
@@ -717,6 +742,5 @@ def test_without_a_pool_tokenizing_in_the_decision_is_observed_as_holding_the_lo
     router = Router()
     payload = {"messages": [{"role": "user", "content": "Hi"}]}
     assert router.match(LLAMA, CHAT, payload).mode == "precise"
-    counters = router.matcher.counters
-    for hold in (counters.loop_hold, counters.loop_hold_cpu):
-        assert sum(hold.counts) == 1 and hold.total > 0
+    for count, total in router.loop_holds().values():
+        assert count == 1 and total > 0
