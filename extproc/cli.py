@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -35,20 +36,46 @@ from extproc.telemetry import configure_logging
 log = logging.getLogger("extproc")
 
 
+def field_defaults(settings: type[Any]) -> dict[str, Any]:
+    """A settings dataclass's field defaults: flags take their defaults from the settings, so each
+    default is stated once (``--help`` and ``docs/flags.md`` show it from there)."""
+    defaults: dict[str, Any] = {}
+    for f in dataclasses.fields(settings):
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+    return defaults
+
+
+_SERVE = field_defaults(ServeSettings)
+_PREFIX = field_defaults(PrefixSettings)
+_SOURCE = field_defaults(SourceSettings)
+
+
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("serve", help="run the ext_proc gRPC server that picks an endpoint per request")
+    p = sub.add_parser(
+        "serve",
+        help="run the ext_proc gRPC server that picks an endpoint per request",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument(
         "--source",
         required=True,
         help="where worker sets come from: file:PATH (multi-document YAML), or kube (the cluster's "
         "InferenceWorkerSets, Services and EndpointSlices, watched)",
     )
-    p.add_argument("--source-poll-interval", type=float, default=1.0, help="seconds between file checks (1)")
+    p.add_argument(
+        "--source-poll-interval",
+        type=float,
+        default=_SOURCE["poll_interval"],
+        help="file: seconds between checks of the catalog file",
+    )
     p.add_argument(
         "--max-catalog-bytes",
         type=int,
-        default=16 * 1024 * 1024,
-        help="largest catalog file read; a larger one is refused and the last good catalog kept (16 MiB)",
+        default=_SOURCE["max_bytes"],
+        help="file: largest catalog file read; a larger one is refused and the last good catalog kept",
     )
     p.add_argument(
         "--namespaces",
@@ -63,37 +90,41 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="--source kube: kubeconfig file (default: in-cluster credentials when running in a pod, "
         "else $KUBECONFIG or ~/.kube/config, as kubectl)",
     )
-    p.add_argument(
-        "--listen", default="127.0.0.1:9002", help="gRPC ext_proc + health address (127.0.0.1:9002)"
-    )
+    p.add_argument("--listen", default=_SERVE["listen"], help="gRPC ext_proc + health address")
     p.add_argument(
         "--admin-listen",
-        default=DEFAULT_ADMIN_LISTEN,
-        help=f"/metrics and /debug/state address ({DEFAULT_ADMIN_LISTEN})",
+        default=_SERVE["admin_listen"],
+        help="/metrics, /healthz, /readyz; /debug/ pages answer loopback clients only",
     )
     p.add_argument(
-        "--max-body-bytes", type=int, default=16 * 1024 * 1024, help="larger bodies get 413 (16 MiB)"
+        "--max-body-bytes", type=int, default=_SERVE["max_body_bytes"], help="larger bodies get 413"
     )
     p.add_argument(
         "--max-buffered-bytes",
         type=int,
-        default=256 * 1024 * 1024,
-        help="request-body bytes all streams may hold at once; past it, 429 (256 MiB)",
+        default=_SERVE["max_buffered_bytes"],
+        help="request-body bytes all streams may hold at once; past it, 429",
     )
     p.add_argument(
         "--max-fallbacks",
         type=int,
-        default=0,
+        default=_SERVE["max_fallbacks"],
         help="fallback endpoints after the pick (0: works with every cluster type); 2 behind override_host "
         "makes retries follow the ranking",
     )
-    p.add_argument("--drain-seconds", type=float, default=5.0, help="grace for open streams on stop (5)")
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=_SERVE["drain_seconds"],
+        help="on SIGTERM, health turns NOT_SERVING but new streams are served this long; then open "
+        "streams get as long again to finish (a second signal exits at once)",
+    )
     p.add_argument("--seed", type=int, default=None, help="seed tie-breaking randomness (for tests)")
     p.add_argument(
         "--policy",
         choices=list(POLICIES),
         default=DEFAULT_POLICY,
-        help=f"how endpoints are ranked ({DEFAULT_POLICY}; see the README): {', '.join(POLICIES)}",
+        help="how endpoints are ranked (docs/latency-profiles.md)",
     )
     p.add_argument(
         "--profiles",
@@ -104,26 +135,26 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--calibrate",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=_SERVE["calibrate"],
         help="fit each worker set's prefill rate and step cost to its engines' reported TTFTs "
-        "(needs --scrape-interval > 0; on)",
+        "(needs --scrape-interval > 0)",
     )
     p.add_argument(
         "--malloc-trim-interval",
         type=float,
-        default=60.0,
-        help="seconds between malloc_trim calls giving freed heap pages back to the system; 0 = never (60)",
+        default=_SERVE["malloc_trim_interval"],
+        help="seconds between malloc_trim calls giving freed heap pages back to the system; 0 = never",
     )
     p.add_argument(
         "--scrape-interval",
         type=float,
-        default=1.0,
-        help="seconds between scrapes of each endpoint's /metrics (vLLM names); 0 = off (1)",
+        default=_SERVE["scrape_interval"],
+        help="seconds between scrapes of each endpoint's /metrics (vLLM or SGLang names); 0 = off",
     )
     p.add_argument(
         "--decision-headers",
         action="store_true",
-        help="add x-extproc-endpoint / -cached-tokens / -prefix-mode ... to responses (names pods; off)",
+        help="add x-extproc-endpoint / -cached-tokens / -prefix-mode ... to responses (they name pods)",
     )
     g = p.add_argument_group("prefix-cache-aware routing")
     g.add_argument(
@@ -143,49 +174,55 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     g.add_argument("--hf-cache", type=Path, default=None, help="Hugging Face hub cache for --tokenizer ids")
     g.add_argument(
-        "--kv-index-max-blocks", type=int, default=4_000_000, help="KV-event index size, all endpoints (4M)"
+        "--kv-index-max-blocks",
+        type=int,
+        default=_PREFIX["index_max_blocks"],
+        help="KV-event index size in blocks, all endpoints (least recently stored out)",
     )
     g.add_argument(
-        "--kv-index-max-blocks-per-endpoint", type=int, default=262_144, help="... per endpoint (262144)"
+        "--kv-index-max-blocks-per-endpoint",
+        type=int,
+        default=_PREFIX["index_max_blocks_per_endpoint"],
+        help="... per endpoint",
     )
     g.add_argument(
         "--approx-prefix-max-blocks",
         type=int,
-        default=200_000,
+        default=_PREFIX["approx_max_blocks"],
         help="prompt chunks remembered, at most, for models routed without tokenizer or KV events; each "
-        "is kept at least until half that many others are recorded after it (200000)",
+        "is kept at least until half that many others are recorded after it",
     )
     g.add_argument(
         "--tokenize-threads",
         type=int,
-        default=None,
-        help="threads tokenizing prompts off the event loop (default: one per core; 0: on the loop)",
+        default=_PREFIX["tokenize_threads"],
+        help="threads tokenizing prompts off the event loop (none given: one per core; 0: on the loop)",
     )
     g.add_argument(
         "--tokenize-processes",
         type=int,
-        default=0,
+        default=_PREFIX["tokenize_processes"],
         help="tokenize long prompts in this many processes of their own instead of threads: parsing "
-        "and template rendering then never hold the event loop's GIL, at ~100 MB of memory each (0)",
+        "and template rendering then never hold the event loop's GIL, at ~100 MB of memory each",
     )
     g.add_argument(
         "--tokenize-queue",
         type=int,
-        default=256,
-        help="prompts tokenized or waiting at once; past it a request is routed without tokens (256)",
+        default=_PREFIX["tokenize_queue"],
+        help="prompts tokenized or waiting at once; past it a request is routed without tokens",
     )
     g.add_argument(
         "--tokenize-cache-mb",
         type=float,
-        default=64.0,
+        default=_PREFIX["tokenize_cache_bytes"] / (1024 * 1024),
         help="MiB of prompt pieces' token ids remembered per model, so a conversation's next turn "
-        "encodes only what is new (64; 0: off)",
+        "encodes only what is new (0: off)",
     )
     g.add_argument(
         "--tokenize-budget-ms",
         type=float,
-        default=250.0,
-        help="longest a request waits for its prompt's tokens before it is routed without them (250)",
+        default=_PREFIX["tokenize_budget"] * 1000,
+        help="longest a request waits for its prompt's tokens before it is routed without them",
     )
 
 

@@ -55,10 +55,10 @@ class SourceSettings:
     kind: str
     #: The YAML file for ``file``.
     path: Path | None = None
-    #: Seconds between checks of the file for changes. Default 1 s.
+    #: Seconds between checks of the file for changes.
     poll_interval: float = 1.0
-    #: ``file``: the largest catalog file read, in bytes; a larger one is refused. Default 16 MiB
-    #: (a 2,000-Service cluster's objects take 3-6 MB).
+    #: ``file``: the largest catalog file read, in bytes; a larger one is refused; room
+    #: for a 2,000-Service cluster's objects (3-6 MB) several times over.
     max_bytes: int = 16 * 1024 * 1024
     #: ``kube``: the namespaces to watch; None (the default) watches all namespaces.
     namespaces: tuple[str, ...] | None = None
@@ -200,14 +200,14 @@ class ServeSettings:
     listen: str = "127.0.0.1:9002"
     #: Admin HTTP (``/metrics``, ``/debug/state``) listen address. Loopback by default.
     admin_listen: str = DEFAULT_ADMIN_LISTEN
-    #: Largest request body accepted, in bytes; larger ones get 413. Default 16 MiB.
+    #: Largest request body accepted, in bytes; larger ones get 413.
     max_body_bytes: int = 16 * 1024 * 1024
-    #: Request-body bytes all streams may hold at once; past it, requests get 429. Default 256 MiB.
+    #: Request-body bytes all streams may hold at once; past it, requests get 429.
     max_buffered_bytes: int = 256 * 1024 * 1024
     #: How many fallback endpoints follow the pick in ``x-gateway-destination-endpoint``.
     #: Envoy's override_host policy walks the list on retry; ORIGINAL_DST clusters accept a
     #: single address only (a list gets 503), and the endpoint-picker protocol requires the header
-    #: and the ``envoy.lb`` metadata to hold the same value. Default 0: works behind either.
+    #: and the ``envoy.lb`` metadata to hold the same value. 0 works behind either.
     max_fallbacks: int = 0
     #: Seed for tie-breaking randomness; None for a random seed. Tests and benchmarks set it.
     seed: int | None = None
@@ -280,7 +280,7 @@ class ReconcileSettings:
     retry_interval: float = 2.0
     #: Admin HTTP (``/healthz``, ``/metrics``, ``/debug/state``) listen address. Loopback by default.
     admin_listen: str = "127.0.0.1:9091"
-    #: Seconds between full recomputations when nothing reported a change. Default 30 s.
+    #: Seconds between full recomputations when nothing reported a change.
     resync_interval: float = 30.0
 
     def __post_init__(self) -> None:

@@ -97,3 +97,20 @@ async def test_fitted_profiles_says_when_nothing_answers() -> None:
     assert returncode == 1
     assert "cannot read http://127.0.0.1:" in output and "is serve running there?" in output
     assert "Traceback" not in output
+
+
+def test_flags_left_out_give_the_settings_defaults() -> None:
+    """`extproc serve` with no optional flag runs with exactly the settings' own defaults (one place
+    states each default; the flags and the generated reference read it from there)."""
+    import dataclasses
+
+    from extproc.cli import _serve_settings, build_parser
+    from extproc.scheduling.registry import DEFAULT_POLICY
+    from extproc.settings import PrefixSettings, ServeSettings, SourceSettings
+
+    args = build_parser().parse_args(["serve", "--source", "kube"])
+    settings = _serve_settings(args)
+    assert settings.prefix == PrefixSettings()
+    # The settings leave the policy to the registry; the flag names the registry's one default.
+    assert settings.policy == DEFAULT_POLICY
+    assert dataclasses.replace(settings, policy=None) == ServeSettings(source=SourceSettings.parse("kube"))
