@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduling.test_inflight import Clock
+from control.test_load import Clock
 
 from extproc.telemetry import LogLimiter
 

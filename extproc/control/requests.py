@@ -190,10 +190,6 @@ class RequestControl:
             return None
         return self.acquire(address, prefill_tokens=prefill_tokens, prefill_seconds=prefill_seconds)
 
-    def debug_state(self) -> dict[str, object]:
-        """``/debug/state``'s ``leases``: who we are and the handover's counters."""
-        return {"owner": self.owner, "held": len(self.load), "handover": self.handover.debug_state()}
-
 
 def _resolve(catalog: Catalog, request: InferenceRequest) -> Route:
     route = catalog.resolve(request.model)

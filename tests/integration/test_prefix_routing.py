@@ -87,7 +87,7 @@ class SimGateway:
                 }
                 for a, e in engines.items()
             },
-            "inFlight": dict(self.server.inflight.snapshot()),
+            "inFlight": dict(self.server.load.snapshot()),
         }
         return json.dumps(state, default=str)
 
@@ -196,10 +196,10 @@ async def test_follow_ups_sharing_a_long_prefix_land_on_the_engine_holding_it(
     assert all(indexed_blocks(gw.server, ids, gw.engines)[a] == 0 for a in gw.others(owner))
 
     # The first request's count ends a few ms after its response (the accounting stream's close).
-    await eventually(lambda: gw.server.inflight.total == 0, what="the first request no longer in flight")
+    await eventually(lambda: gw.server.load.total == 0, what="the first request no longer in flight")
     # Concurrent follow-ups: the cache wins over load (the owner has several in flight at once).
     bodies = [chat(system, q) for q in QUESTIONS]
-    precise = gw.server.prefix.scorer.counters.lookups["precise"]
+    precise = gw.server.prefix.matcher.counters.lookups["precise"]
     before = finished(gw.engines)
     answers = await asyncio.gather(*(gw.post(CHAT, b) for b in bodies))
     assert delta(before, finished(gw.engines)) == {
@@ -211,9 +211,9 @@ async def test_follow_ups_sharing_a_long_prefix_land_on_the_engine_holding_it(
         assert shared >= prefix_tokens
         assert got["usage"]["prompt_tokens"] == len(follow_ids)
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= shared
-    assert gw.server.prefix.scorer.counters.lookups["precise"] == precise + len(bodies)
+    assert gw.server.prefix.matcher.counters.lookups["precise"] == precise + len(bodies)
     assert pool.completed - tokenized_before == (0 if prefix_tokens < 1000 else 1)
-    tree = gw.server.prefix.scorer.tokenizers.get(LLAMA)
+    tree = gw.server.prefix.matcher.tokenizers.get(LLAMA)
     assert tree is not None and tree.tokenizer.segment_cache is not None
     assert tree.tokenizer.segment_cache.stats.hits >= len(bodies)  # each follow-up walked the prefix
 
@@ -240,11 +240,11 @@ async def test_different_prefixes_spread_over_engines_then_stick(
             # Headers came from the engine, so the router has decided; the request counts in flight
             # (held by its accounting stream, which reaches the router on its own).
             def counted(n: int = i + 1) -> bool:
-                inflight = {a: c for a, c in gw.server.inflight.snapshot().items() if c}
+                inflight = {a: c for a, c in gw.server.load.snapshot().items() if c}
                 return len(inflight) == n and set(inflight.values()) == {1}
 
             await eventually(counted, what=f"{i + 1} requests each on its own engine, in flight")
-            inflight = {a: c for a, c in gw.server.inflight.snapshot().items() if c}
+            inflight = {a: c for a, c in gw.server.load.snapshot().items() if c}
             owners.append(next(a for a in inflight if a not in owners))
         # Nothing was cached for any of them: least in flight put each on its own engine.
         assert sorted(owners) == sorted(e.address for e in gw.engines)
@@ -265,9 +265,7 @@ async def test_different_prefixes_spread_over_engines_then_stick(
     # Now each prefix has a home: follow-ups go there, one at a time (so load is equal everywhere).
     for _round in range(2):
         for owner, system in zip(owners, systems, strict=True):
-            await eventually(
-                lambda: gw.server.inflight.total == 0, what="the previous one no longer in flight"
-            )
+            await eventually(lambda: gw.server.load.total == 0, what="the previous one no longer in flight")
             before = finished(gw.engines)
             answer = await gw.post(CHAT, chat(system, f"Another question, round {_round}?"))
             assert served_by(before, gw.engines) == owner, gw.why()
@@ -299,7 +297,7 @@ async def test_a_chat_the_routers_template_refuses_routes_approximately(
     gw = await sim_gateway(body_mode=body_mode, chat_template=str(template))
     system = long_text(tokens, 200, seed=3)
     body = chat(system, "What is the weather in Paris?", tools=[WEATHER_TOOL])
-    counters = gw.server.prefix.scorer.counters
+    counters = gw.server.prefix.matcher.counters
     lookups, errors = dict(counters.lookups), counters.tokenize_errors
 
     before = finished(gw.engines)
@@ -310,7 +308,7 @@ async def test_a_chat_the_routers_template_refuses_routes_approximately(
     assert counters.lookups == {**lookups, "approximate": lookups["approximate"] + 1}
 
     # The router remembered where it sent that prompt: the same chat follows it there.
-    await eventually(lambda: gw.server.inflight.total == 0, what="the first chat no longer in flight")
+    await eventually(lambda: gw.server.load.total == 0, what="the first chat no longer in flight")
     before = finished(gw.engines)
     again = await gw.post(CHAT, body)
     assert served_by(before, gw.engines) == first, gw.why()

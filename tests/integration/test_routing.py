@@ -187,7 +187,7 @@ async def test_inflight_held_while_streaming_and_released_at_end(
 ) -> None:
     """A request counts against its pod until its response has finished, then not at all."""
     gw = await routed_gateway(body_mode=body_mode)
-    inflight = gw.server.inflight
+    inflight = gw.server.load
     async with (
         aiohttp.ClientSession() as s,
         slow_stream(s, gw.url, "chat", chunks=20) as r,
@@ -203,7 +203,7 @@ async def test_inflight_held_while_streaming_and_released_at_end(
 async def test_killed_backend_does_not_wedge_inflight(routed_gateway: RoutedFactory, body_mode: str) -> None:
     """A pod dying mid-stream, or refusing connections, leaves no in-flight count behind."""
     gw = await routed_gateway(body_mode=body_mode)
-    inflight = gw.server.inflight
+    inflight = gw.server.load
     async with aiohttp.ClientSession() as s:
         async with slow_stream(s, gw.url, LLAMA, chunks=200) as streaming:
             first = json.loads((await streaming.content.readline())[6:])
@@ -224,7 +224,7 @@ async def test_killed_backend_does_not_wedge_inflight(routed_gateway: RoutedFact
 async def test_client_disconnect_releases_inflight(routed_gateway: RoutedFactory, body_mode: str) -> None:
     """A client hanging up mid-stream frees its pod in our accounting."""
     gw = await routed_gateway(body_mode=body_mode)
-    inflight = gw.server.inflight
+    inflight = gw.server.load
     async with aiohttp.ClientSession() as s:
         r = await slow_stream(s, gw.url, "chat", chunks=200)
         await r.content.readline()
@@ -309,8 +309,8 @@ async def test_more_concurrent_streams_than_envoys_default_circuit_breakers(
         try:
             statuses = Counter(r.status for r in opened)
             assert statuses == {200: streams}, statuses
-            await eventually(lambda: gw.server.inflight.total == streams, within=30)
+            await eventually(lambda: gw.server.load.total == streams, within=30)
         finally:
             for r in opened:
                 r.close()
-    await eventually(lambda: gw.server.inflight.total == 0, within=30)
+    await eventually(lambda: gw.server.load.total == 0, within=30)

@@ -70,7 +70,7 @@ async def routed(
     url: str, server: Server, engines: list[SimServer], session: aiohttp.ClientSession, body: dict[str, Any]
 ) -> tuple[str, int]:
     """Send ``body`` through the gateway: (the one engine that served it, its cached prompt tokens)."""
-    await eventually(lambda: server.inflight.total == 0, what="nothing in flight")
+    await eventually(lambda: server.load.total == 0, what="nothing in flight")
     before = finished(engines)
     async with session.post(url + CHAT, json=body) as resp:
         assert resp.status == 200, await resp.text()
