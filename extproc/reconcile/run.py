@@ -20,6 +20,7 @@ def add_reconcile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
     """Add ``extproc reconcile`` to the CLI; :func:`run_reconcile` is its handler."""
     p = sub.add_parser(
         "reconcile",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="run the status reconciler sidecar (writes InferenceWorkerSet status; leader-elected)",
         description="Keeps the status of every InferenceWorkerSet true: endpoints, models and context "
         "windows, KV-event subscriptions, referencing HTTPRoutes, conditions. Runs beside `extproc serve` "
@@ -31,31 +32,21 @@ def add_reconcile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument(
         "--namespaces", default="", help="comma-separated namespaces to reconcile (default: all namespaces)"
     )
-    p.add_argument(
-        "--serve-admin", default="http://127.0.0.1:9090", help="serve's admin URL (http://127.0.0.1:9090)"
-    )
-    p.add_argument(
-        "--serve-poll-interval", type=float, default=2.0, help="seconds between reads of serve (2)"
-    )
-    p.add_argument(
-        "--serve-timeout", type=float, default=1.5, help="seconds one read of serve may take (1.5)"
-    )
-    p.add_argument("--lease-name", default="extproc-reconciler", help="Lease name (extproc-reconciler)")
+    p.add_argument("--serve-admin", default="http://127.0.0.1:9090", help="serve's admin URL")
+    p.add_argument("--serve-poll-interval", type=float, default=2.0, help="seconds between reads of serve")
+    p.add_argument("--serve-timeout", type=float, default=1.5, help="seconds one read of serve may take")
+    p.add_argument("--lease-name", default="extproc-reconciler", help="Lease name")
     p.add_argument(
         "--lease-namespace", default=None, help="Lease namespace (default: $POD_NAMESPACE, else default)"
     )
-    p.add_argument("--lease-duration", type=float, default=15.0, help="seconds a lease lasts unrenewed (15)")
-    p.add_argument("--lease-renew-interval", type=float, default=5.0, help="seconds between renewals (5)")
-    p.add_argument(
-        "--lease-retry-interval", type=float, default=2.0, help="seconds between tries to lead (2)"
-    )
+    p.add_argument("--lease-duration", type=float, default=15.0, help="seconds a lease lasts unrenewed")
+    p.add_argument("--lease-renew-interval", type=float, default=5.0, help="seconds between renewals")
+    p.add_argument("--lease-retry-interval", type=float, default=2.0, help="seconds between tries to lead")
     p.add_argument(
         "--identity", default=None, help="this replica in the Lease (default: $POD_NAME, else hostname)"
     )
-    p.add_argument(
-        "--admin-listen", default="127.0.0.1:9091", help="/healthz, /metrics, /debug/state (127.0.0.1:9091)"
-    )
-    p.add_argument("--resync-interval", type=float, default=30.0, help="seconds between full passes (30)")
+    p.add_argument("--admin-listen", default="127.0.0.1:9091", help="/healthz, /metrics, /debug/state")
+    p.add_argument("--resync-interval", type=float, default=30.0, help="seconds between full passes")
     p.set_defaults(handler=run_reconcile)
 
 

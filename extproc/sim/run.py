@@ -35,6 +35,7 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     d = _ENGINE_DEFAULTS
     p = sub.add_parser(
         "sim",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="run a simulated vLLM or SGLang model server (OpenAI API, /metrics, KV events over ZMQ)",
         description="A simulated vLLM (or SGLang) engine on loopback: OpenAI-compatible HTTP, a real "
         "tokenizer and chat template, a prefix cache publishing the engine's KV events over ZMQ, and a "
@@ -45,13 +46,11 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "--engine",
         choices=list(ENGINE_KINDS),
         default="vllm",
-        help="whose surface to show: routes, metric names, KV-event encoding (vllm)",
+        help="whose surface to show: routes, metric names, KV-event encoding",
     )
     g.add_argument("--listen", default="127.0.0.1:8000", help="HTTP address (127.0.0.1:8000); port 0 = any")
-    g.add_argument("--replicas", type=int, default=1, help="engines to start, on consecutive ports (1)")
-    g.add_argument(
-        "--model", default=_DEFAULTS.model, help=f"model path or id, /v1/models root ({_DEFAULTS.model})"
-    )
+    g.add_argument("--replicas", type=int, default=1, help="engines to start, on consecutive ports")
+    g.add_argument("--model", default=_DEFAULTS.model, help="model path or id, /v1/models root")
     g.add_argument("--served-model-name", nargs="+", default=[], help="names clients use (default: --model)")
     g.add_argument(
         "--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="LoRA adapters to serve"
@@ -69,13 +68,13 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         type=float,
         default=0.0,
         help="remember this many MiB of prompt pieces, so a repeated prefix is encoded once (same ids; "
-        "saves a load harness's CPU); 0 encodes every prompt whole, as vLLM does (0)",
+        "saves a load harness's CPU); 0 encodes every prompt whole, as vLLM does",
     )
     g.add_argument(
         "--default-output-tokens",
         type=int,
         default=_DEFAULTS.default_output_tokens,
-        help="tokens generated for a chat request without max_tokens (128)",
+        help="tokens generated for a chat request without max_tokens",
     )
     g.add_argument(
         "--enable-prompt-tokens-details",
@@ -83,44 +82,38 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         help="report usage.prompt_tokens_details.cached_tokens",
     )
     g = p.add_argument_group("engine model")
-    g.add_argument(
-        "--block-size", type=int, default=d.block_size, help=f"tokens per KV block ({d.block_size})"
-    )
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     g.add_argument(
         "--num-gpu-blocks-override",
         type=int,
         default=d.num_gpu_blocks,
-        help=f"KV blocks per rank ({d.num_gpu_blocks})",
+        help="KV blocks per rank",
     )
-    g.add_argument(
-        "--max-num-seqs", type=int, default=d.max_num_seqs, help=f"running batch cap ({d.max_num_seqs})"
-    )
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running batch cap")
     g.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=d.max_num_batched_tokens,
-        help=f"token budget per step ({d.max_num_batched_tokens})",
+        help="token budget per step",
     )
-    g.add_argument(
-        "--max-model-len", type=int, default=d.max_model_len, help=f"context window ({d.max_model_len})"
-    )
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="context window")
     g.add_argument(
         "--prefill-tokens-per-s",
         type=float,
         default=d.prefill_tokens_per_s,
-        help=f"prefill throughput ({d.prefill_tokens_per_s:g})",
+        help="prefill throughput",
     )
     g.add_argument(
         "--decode-base-ms",
         type=float,
         default=d.decode_base_s * 1000,
-        help=f"fixed cost of one engine step ({d.decode_base_s * 1000:g} ms)",
+        help="fixed cost of one engine step",
     )
     g.add_argument(
         "--decode-per-seq-ms",
         type=float,
         default=d.decode_per_seq_s * 1000,
-        help=f"extra step time per running sequence ({d.decode_per_seq_s * 1000:g} ms)",
+        help="extra step time per running sequence",
     )
     g.add_argument(
         "--cpu-offload-blocks",
@@ -140,8 +133,8 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         default=d.prefix_caching_hash_algo,
         help="what hashes the blocks, as vLLM's flag (sha256; xxhash needs the xxhash package)",
     )
-    g.add_argument("--data-parallel-size", type=int, default=1, help="DP ranks, each its own cache (1)")
-    g.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per simulated second (1.0)")
+    g.add_argument("--data-parallel-size", type=int, default=1, help="DP ranks, each its own cache")
+    g.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per simulated second")
     g = p.add_argument_group("KV events (the engine's ZMQ publisher)")
     g.add_argument(
         "--kv-events-port", type=int, default=None, help="PUB port of rank 0; 0 = any; off if unset"
@@ -149,7 +142,7 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     g.add_argument(
         "--kv-replay-port", type=int, default=None, help="ROUTER replay port of rank 0; off if unset"
     )
-    g.add_argument("--kv-topic", default="", help="topic frame of every message (empty)")
+    g.add_argument("--kv-topic", default="", help="topic frame of every message")
     g.add_argument(
         "--kv-encoding",
         choices=[e.value for e in EventEncoding],
@@ -160,25 +153,25 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "--kv-hash-format",
         choices=[h.value for h in HashFormat],
         default=None,
-        help="vLLM only: int = uint64 (vLLM default), bytes = the digest (int)",
+        help="vLLM only: int = uint64 (vLLM default), bytes = the digest",
     )
     g.add_argument(
         "--kv-replay-frames",
         type=int,
         choices=[3, 4],
         default=4,
-        help="replay replies without (vLLM <= 0.25) or with (>= 0.26) the topic frame (4)",
+        help="replay replies without (vLLM <= 0.25) or with (>= 0.26) the topic frame",
     )
-    g.add_argument("--kv-buffer-steps", type=int, default=10_000, help="batches kept for replay (10000)")
+    g.add_argument("--kv-buffer-steps", type=int, default=10_000, help="batches kept for replay")
     g.add_argument(
         "--published-block-size",
         type=int,
         default=None,
         help="publish coarser blocks than --block-size (a multiple of it), as hybrid models do",
     )
-    g.add_argument("--kv-drop-probability", type=float, default=0.0, help="lose this share of batches (0)")
-    g.add_argument("--kv-delay-ms", type=float, default=0.0, help="publish every batch this late (0)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the fault injection (0)")
+    g.add_argument("--kv-drop-probability", type=float, default=0.0, help="lose this share of batches")
+    g.add_argument("--kv-delay-ms", type=float, default=0.0, help="publish every batch this late")
+    g.add_argument("--seed", type=int, default=0, help="seed of the fault injection")
     p.set_defaults(handler=run_sim)
 
 
