@@ -292,10 +292,9 @@ class RequestStream:
         end_of_stream: bool,
     ) -> Responses:
         try:
-            routed = await routing
+            return self._answer_routed(await routing, parsed, body, started, end_of_stream)
         except RequestError as error:
             return self._reject(error)
-        return self._answer_routed(routed, parsed, body, started, end_of_stream)
 
     def _answer_routed(
         self,
