@@ -1,6 +1,7 @@
 """Poll every ready endpoint's ``/metrics`` and keep the latest :class:`EngineSignals` per endpoint.
 
-One task scrapes all endpoints of the current catalog concurrently, once per ``interval`` seconds,
+One task scrapes all endpoints of the current catalog concurrently, once per ``interval`` seconds
+(a large pool spread over the interval rather than in one burst),
 so the request path only reads a dict. A scrape that fails keeps the last good signals but records
 why; signals older than :data:`STALE_INTERVALS` intervals are marked stale, since load data that old
 says little about the next request and a scheduler should fall back to load-blind choices.
@@ -36,6 +37,15 @@ log = logging.getLogger(__name__)
 MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 #: Signals older than this many scrape intervals are stale.
 STALE_INTERVALS = 3.0
+#: A pool larger than this is scraped spread over the interval instead of in one burst: a burst of
+#: a thousand answers parsed back to back holds the event loop, and every decision waiting on it,
+#: for the time of all of them (bench/fleet.py). Smaller pools take one burst, which costs less.
+SPREAD_ABOVE = 64
+#: Share of the interval a spread round takes to start its scrapes (the rest is room to finish).
+SPREAD_SHARE = 0.8
+#: A spread round starts its scrapes in groups this many seconds apart at the least (fewer timer
+#: wake-ups than one per endpoint).
+SPREAD_STEP_S = 0.01
 
 
 class ScrapeError(Exception):
@@ -282,10 +292,36 @@ class EngineScraper(EndpointPoller):
         return self.interval - elapsed
 
     async def scrape_all(self) -> None:
-        """One round: every current endpoint, concurrently; returns when all have answered or failed."""
+        """One round: every current endpoint, concurrently; returns when all have answered or failed.
+
+        A pool of more than :data:`SPREAD_ABOVE` endpoints starts its scrapes in even groups over
+        :data:`SPREAD_SHARE` of the interval, so their answers arrive spread out too.
+        """
         targets = [(address, state.url) for address, state in self._states.items()]
-        await asyncio.gather(*(self._scrape_one(address, url) for address, url in targets))
+        if len(targets) <= SPREAD_ABOVE:
+            await asyncio.gather(*(self._scrape_one(address, url) for address, url in targets))
+        else:
+            await self._scrape_spread(targets)
         self.rounds += 1
+
+    async def _scrape_spread(self, targets: list[tuple[EndpointAddress, str]]) -> None:
+        span = self.interval * SPREAD_SHARE
+        groups = max(1, min(len(targets), int(span / SPREAD_STEP_S)))
+        per_group = -(-len(targets) // groups)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            for index, first in enumerate(range(0, len(targets), per_group)):
+                wait = started + index * span / groups - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                for address, url in targets[first : first + per_group]:
+                    tasks.append(asyncio.create_task(self._scrape_one(address, url)))
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:  # a round cancelled midway (close) takes its scrapes with it
+                task.cancel()
 
     async def _scrape_one(self, address: EndpointAddress, url: str) -> None:
         signals, error = await self.get(

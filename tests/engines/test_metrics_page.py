@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
@@ -221,3 +223,62 @@ def test_the_page_tells_which_engine_serves() -> None:
     assert parse_signals(vllm).engine_kind == "vllm"
     assert parse_signals(sglang).engine_kind == "sglang"
     assert parse_signals(vllm + sglang).engine_kind is None
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "vllm:num_requests_running 3",
+        'vllm:num_requests_running{engine="0"} 3',
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.5 1712345678000',
+        'vllm:num_requests_running{ engine = "0" , model_name="m" , } 3',
+        'vllm:num_requests_running{model_name="a\\"b\\\\c\\nd"} 1e3',
+        'vllm:num_requests_running{engine="0"} +Inf',
+        'vllm:num_requests_running{engine="0"} -Inf',
+        "vllm:num_requests_running{} 0",
+        "vllm:num_requests_running\t7",
+        'vllm:num_requests_running{le="+Inf",x="{}"} 2',
+    ],
+    ids=[
+        "bare",
+        "label",
+        "timestamp",
+        "blanks",
+        "escapes",
+        "inf",
+        "minus-inf",
+        "empty-braces",
+        "tab",
+        "braces-in-value",
+    ],
+)
+def test_a_sample_line_reads_as_prometheus_client_reads_it(line: str) -> None:
+    """Our one-line reader agrees with prometheus_client's parser on every valid spelling."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from extproc.engines.metrics_page import parse_sample
+
+    [family] = text_string_to_metric_families(line + "\n")
+    [theirs] = family.samples
+    labels, value = parse_sample(line, len("vllm:num_requests_running"))
+    assert labels == theirs.labels
+    assert value == theirs.value
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ('vllm:num_requests_running{engine="0" 3', "expected ',' or '}'"),
+        ("vllm:num_requests_running{engine=0} 3", "malformed label"),
+        ("vllm:num_requests_running", "expected a value"),
+        ("vllm:num_requests_running three", "could not convert"),
+        ('vllm:num_requests_running{engine="0"}3 4 5', "expected a value"),
+    ],
+    ids=["unclosed", "unquoted", "no-value", "word", "too-many"],
+)
+def test_a_malformed_sample_line_is_refused_saying_why(line: str, says: str) -> None:
+    """Lines prometheus_client refuses are refused here too, with a message naming the fault."""
+    from extproc.engines.metrics_page import parse_sample
+
+    with pytest.raises(ValueError, match=re.escape(says)):
+        parse_sample(line, len("vllm:num_requests_running"))

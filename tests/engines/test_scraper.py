@@ -357,3 +357,40 @@ async def test_a_large_catalog_is_followed_in_slices_and_the_latest_one_wins() -
     finally:
         counter.cancel()
         await scraper_.close()
+
+
+async def test_a_large_pool_is_scraped_in_full_with_its_answers_spread_out() -> None:
+    """Past SPREAD_ABOVE endpoints every endpoint is still scraped each round, but not all at once:
+    the engines never see more than a fraction of the pool asking together (a burst would be 64)."""
+    page = b'vllm:num_requests_running{engine="0"} 1\nvllm:num_requests_waiting{engine="0"} 0\n'
+    in_flight = peak = 0
+    seen: set[str] = set()
+
+    async def metrics(request: web.Request) -> web.Response:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        seen.add(request.host)
+        await asyncio.sleep(0.03)  # a slow engine page: concurrent asks pile up here
+        in_flight -= 1
+        return web.Response(body=page, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    addresses = [f"127.0.1.{i}:{port}" for i in range(1, 121)]
+    for address in addresses:
+        await web.TCPSite(runner, address.rpartition(":")[0], port).start()
+    store = CatalogStore()
+    publish(store, *addresses)
+    scraper = EngineScraper(store, interval=0.5, timeout=2.0)
+    try:
+        scraper.start()
+        await eventually(lambda: len(seen) == len(addresses), within=10.0, what="every endpoint scraped")
+        assert all(entry(scraper, a) is not None for a in addresses)
+        assert peak <= 32, f"{peak} scrapes at once: the round came in a burst"
+    finally:
+        await scraper.close()
+        await runner.cleanup()
