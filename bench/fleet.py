@@ -45,6 +45,7 @@ from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 from ports import free_port  # noqa: E402
+from stack import wait_http  # noqa: E402
 
 MODEL = "fleet-model"
 SIZES = (8, 64, 256, 1000)
@@ -148,22 +149,6 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-async def wait_ready(admin_port: int, within: float = 60.0) -> None:
-    import aiohttp
-
-    deadline = time.monotonic() + within
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            try:
-                async with session.get(f"http://127.0.0.1:{admin_port}/readyz") as answer:
-                    if answer.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    raise TimeoutError(f"serve not ready within {within:g} s")
-
-
 async def one_pool(size: int, args: argparse.Namespace, tmp: Path, page: bytes) -> dict[str, Any]:
     """Engines, serve, idle measure, load measure, for one pool of ``size`` endpoints."""
     endpoints = addresses(size, free_port())
@@ -183,7 +168,7 @@ async def one_pool(size: int, args: argparse.Namespace, tmp: Path, page: bytes) 
             "--admin-listen", f"127.0.0.1:{admin_port}", "--seed", "1",
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
-        await wait_ready(admin_port)
+        await wait_http(f"http://127.0.0.1:{admin_port}/readyz", within=60.0)
         await asyncio.sleep(args.settle_seconds)  # every endpoint scraped at least once
 
         def mark(name: str) -> dict[str, Any]:
