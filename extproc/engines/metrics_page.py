@@ -140,17 +140,30 @@ def _sample_name(line: str) -> str:
 
 
 def _unescape(match: re.Match[str]) -> str:
+    """The exposition format's three escapes; any other backslash stays, as prometheus_client keeps it."""
     char = match.group(1)
-    return "\n" if char == "n" else char
+    if char == "n":
+        return "\n"
+    return char if char in '\\"' else match.group(0)
 
 
 def parse_sample(line: str, name_end: int) -> tuple[dict[str, str], float]:
     """The labels and value of one exposition line (``name{labels} value [timestamp]``) whose name
-    ends at ``name_end``; ValueError saying what is malformed."""
+    ends at ``name_end``; ValueError saying what is malformed.
+
+    As lenient as ``prometheus_client``'s parser where it is lenient (a leading comma in the braces,
+    no blank after them, fields between the value and the timestamp), and strict where it is (a
+    label named twice, a timestamp that is not a number)."""
     labels: dict[str, str] = {}
     pos = name_end
+    while line.startswith((" ", "\t"), pos):
+        pos += 1
     if line.startswith("{", pos):
         pos += 1
+        while line.startswith((" ", "\t"), pos):
+            pos += 1
+        if line.startswith(",", pos):
+            pos += 1
         while True:
             while line.startswith((" ", "\t"), pos):
                 pos += 1
@@ -160,18 +173,31 @@ def parse_sample(line: str, name_end: int) -> tuple[dict[str, str], float]:
             pair = _LABEL.match(line, pos)
             if pair is None:
                 raise ValueError(f"malformed label at column {pos + 1}")
-            value = pair.group(2)
-            labels[pair.group(1)] = _ESCAPED.sub(_unescape, value) if "\\" in value else value
+            name, value = pair.group(1), pair.group(2)
+            if name in labels:
+                raise ValueError(f"label {name!r} given twice")
+            labels[name] = _ESCAPED.sub(_unescape, value) if "\\" in value else value
             pos = pair.end()
             if not pair.group(3):  # no comma: the braces must close here
                 if not line.startswith("}", pos):
                     raise ValueError(f"expected ',' or '}}' at column {pos + 1}")
                 pos += 1
                 break
+    elif pos == name_end and pos < len(line):
+        raise ValueError(f"unexpected {line[pos]!r} after the name")
     fields = line[pos:].split()
-    if not 1 <= len(fields) <= 2 or (pos < len(line) and line[pos] not in " \t"):
-        raise ValueError("expected a value (and maybe a timestamp) after the name and labels")
-    return labels, float(fields[0])
+    if not fields:
+        raise ValueError("expected a value after the name and labels")
+    if len(fields) > 1:
+        _number(fields[-1])  # the timestamp: unused, but a line with a broken one is broken
+    return labels, _number(fields[0])
+
+
+def _number(text: str) -> float:
+    """A sample's value or timestamp: Go's float syntax, which (unlike Python's) has no ``_``."""
+    if "_" in text:
+        raise ValueError(f"could not convert string to float: {text!r}")
+    return float(text)
 
 
 def _collect(lines: Iterable[str]) -> _Samples:

@@ -238,18 +238,15 @@ def test_the_page_tells_which_engine_serves() -> None:
         "vllm:num_requests_running{} 0",
         "vllm:num_requests_running\t7",
         'vllm:num_requests_running{le="+Inf",x="{}"} 2',
+        'vllm:num_requests_running {engine="0"} 4',
+        'vllm:num_requests_running{a="back\\slash \\x kept"} 5',
+        'vllm:num_requests_running{,engine="0"} 6',
+        'vllm:num_requests_running{engine="0"}7',
     ],
     ids=[
-        "bare",
-        "label",
-        "timestamp",
-        "blanks",
-        "escapes",
-        "inf",
-        "minus-inf",
-        "empty-braces",
-        "tab",
-        "braces-in-value",
+        *("bare", "label", "timestamp", "blanks", "escapes"),
+        *("inf", "minus-inf", "empty-braces", "tab", "braces-in-value"),
+        *("blank-before-braces", "unknown-escape", "leading-comma", "no-blank-after-braces"),
     ],
 )
 def test_a_sample_line_reads_as_prometheus_client_reads_it(line: str) -> None:
@@ -272,9 +269,11 @@ def test_a_sample_line_reads_as_prometheus_client_reads_it(line: str) -> None:
         ("vllm:num_requests_running{engine=0} 3", "malformed label"),
         ("vllm:num_requests_running", "expected a value"),
         ("vllm:num_requests_running three", "could not convert"),
-        ('vllm:num_requests_running{engine="0"}3 4 5', "expected a value"),
+        ("vllm:num_requests_running 3 12_000", "could not convert"),
+        ('vllm:num_requests_running{a="1",a="2"} 3', "given twice"),
+        ("vllm:num_requests_running3 4", "unexpected '3'"),
     ],
-    ids=["unclosed", "unquoted", "no-value", "word", "too-many"],
+    ids=["unclosed", "unquoted", "no-value", "word", "underscore-timestamp", "label-twice", "glued"],
 )
 def test_a_malformed_sample_line_is_refused_saying_why(line: str, says: str) -> None:
     """Lines prometheus_client refuses are refused here too, with a message naming the fault."""
