@@ -308,16 +308,19 @@ class EngineScraper(EndpointPoller):
         span = self.interval * SPREAD_SHARE
         groups = max(1, min(len(targets), int(span / SPREAD_STEP_S)))
         per_group = -(-len(targets) // groups)
+        step = span / groups
         loop = asyncio.get_running_loop()
-        started = loop.time()
+        due = loop.time()
         tasks: list[asyncio.Task[None]] = []
         try:
-            for index, first in enumerate(range(0, len(targets), per_group)):
-                wait = started + index * span / groups - loop.time()
+            for first in range(0, len(targets), per_group):
+                wait = due - loop.time()
                 if wait > 0:
                     await asyncio.sleep(wait)
                 for address, url in targets[first : first + per_group]:
                     tasks.append(asyncio.create_task(self._scrape_one(address, url)))
+                # One group a step even after a stall: late groups never start together.
+                due = max(due, loop.time()) + step
             await asyncio.gather(*tasks)
         finally:
             for task in tasks:  # a round cancelled midway (close) takes its scrapes with it

@@ -371,7 +371,7 @@ async def test_a_large_pool_is_scraped_in_full_with_its_answers_spread_out() -> 
         in_flight += 1
         peak = max(peak, in_flight)
         seen.add(request.host)
-        await asyncio.sleep(0.03)  # a slow engine page: concurrent asks pile up here
+        await asyncio.sleep(0.02)  # a slow engine page: concurrent asks pile up here
         in_flight -= 1
         return web.Response(body=page, content_type="text/plain")
 
@@ -390,7 +390,8 @@ async def test_a_large_pool_is_scraped_in_full_with_its_answers_spread_out() -> 
         scraper.start()
         await eventually(lambda: len(seen) == len(addresses), within=10.0, what="every endpoint scraped")
         assert all(entry(scraper, a) is not None for a in addresses)
-        assert peak <= 32, f"{peak} scrapes at once: the round came in a burst"
+        # One burst would be MAX_CONCURRENCY (64) at once; spread, a few groups overlap.
+        assert peak <= 40, f"{peak} scrapes at once: the round came in a burst"
     finally:
         await scraper.close()
         await runner.cleanup()
