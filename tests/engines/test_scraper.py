@@ -286,18 +286,24 @@ def test_metrics_urls_use_the_metrics_port_and_bracket_ipv6() -> None:
     }
 
 
-def test_stale_is_judged_with_the_injected_clock() -> None:
-    """Signals older than three intervals are stale (clock in seconds)."""
-    now = [100.0]
+async def test_stale_is_judged_with_the_injected_clock(sim: StartSim) -> None:
+    """Signals older than three intervals are stale (clock in seconds): a real scrape at 99 s is
+    fresh at 100 s and stale at 103.5 s."""
+    engine = await sim()
+    now = [99.0]
     store = CatalogStore()
-    publish(store, "127.0.0.1:9")
+    publish(store, engine.address)
     scraper = EngineScraper(store, interval=1.0, clock=lambda: now[0])
-    (state,) = scraper._states.values()
-    state.signals = None
-    state.scraped_at = 99.0
-    assert not scraper.snapshot()[EndpointAddress("127.0.0.1:9")].stale
+    scraper.start()
+    try:
+        await scraper.scrape_all()
+    finally:
+        await scraper.close()
+    now[0] = 100.0
+    fresh = scraper.snapshot()[EndpointAddress(engine.address)]
+    assert fresh.signals is not None and not fresh.stale
     now[0] = 103.5
-    found = scraper.snapshot()[EndpointAddress("127.0.0.1:9")]
+    found = scraper.snapshot()[EndpointAddress(engine.address)]
     assert found.stale and found.age == pytest.approx(4.5)
 
 
