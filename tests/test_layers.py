@@ -33,7 +33,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "kvindex": frozenset({"catalog"}),
     "sources": frozenset({"catalog", "kube"}),
     "control": frozenset({"catalog", "scheduling"}),
-    "scheduling": frozenset({"catalog", "control", "kvindex", "tokenize"}),
+    "scheduling": frozenset({"catalog", "kvindex", "tokenize"}),
     "engines": frozenset({"catalog", "scheduling", "tokenize"}),
     "protocol": frozenset({"control", "scheduling", "pb"}),
     "serve": frozenset(

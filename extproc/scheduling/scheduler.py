@@ -20,9 +20,9 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from extproc.catalog.model import Catalog, Endpoint, Route
-from extproc.control.load import LoadView
 from extproc.errors import NoReadyEndpoint, Overloaded
 from extproc.openai import InferenceRequest
 from extproc.scheduling.engine_signals import EngineSignals
@@ -66,6 +66,19 @@ class Decision:
         return ",".join(e.address for e in self.endpoints)
 
 
+class Load(Protocol):
+    """The load a decision reads per endpoint (defined here, by its consumer: request control's
+    load view holds the leases behind it)."""
+
+    def count(self, address: EndpointAddress) -> int:
+        """Requests in flight at ``address``."""
+        ...
+
+    def pending_prefill(self, address: EndpointAddress) -> tuple[int, int]:
+        """(uncached prompt tokens, requests) routed to ``address`` whose prefill should still run."""
+        ...
+
+
 #: Told every decision (never a shed one): what the pick teaches (affinity, calibration).
 DecisionHook = Callable[[Decision], None]
 
@@ -75,7 +88,7 @@ class Scheduler:
 
     def __init__(
         self,
-        load: LoadView,
+        load: Load,
         policy: Policy,
         *,
         max_fallbacks: int,
