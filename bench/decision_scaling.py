@@ -1,12 +1,14 @@
-"""What one routing decision costs serve's event loop as the pool grows: 8 to 128 endpoints.
+"""What one routing decision costs serve's event loop as the pool grows: 8 to 1,000 endpoints.
 
 In this process, no gRPC and no sockets: a ``RequestStream`` handles the messages Envoy sends for
 one request (headers, body, end of body, response headers) and closes, as in
-``grpc_load.stream_logic_us``, against a catalog of one worker set of N endpoints. Two modes:
+``grpc_load.stream_logic_us``, against a catalog of one worker set of N endpoints. Three arms:
 
 - ``precise``: the model has the real Llama 3 tokenizer and the set declares KV events (the index
-  is empty: no engine runs, so every endpoint is scored cold);
-- ``approximate``: no tokenizer and no KV events (prompt chunks matched against earlier decisions).
+  is empty: no engine runs, so every endpoint is cold);
+- ``approximate``: no tokenizer and no KV events (prompt chunks matched against earlier decisions);
+- ``approximate, all scored``: the same with ``--score-all-endpoints``, as before pools were cut
+  to a bounded candidate set (``extproc.scheduling.candidates``).
 
 The body is a 64-byte chat. Best of 5 repeats (this VM's speed drifts); µs per request, and per
 endpoint beyond the smallest pool. Writes ``bench/results/decision_scaling.{json,md}``.
@@ -31,7 +33,7 @@ from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.protocol.stream import Pending, RequestStream
 from extproc.serve.app import Server
-from extproc.settings import PrefixSettings, ServeSettings, SourceSettings, TokenizerSpec
+from extproc.settings import CandidateSettings, PrefixSettings, ServeSettings, SourceSettings, TokenizerSpec
 from extproc.sources.file import FileSource
 
 HERE = Path(__file__).resolve().parent
@@ -39,14 +41,14 @@ sys.path.insert(0, str(HERE.parent / "scripts"))
 from fetch_tokenizers import ensure  # noqa: E402
 
 MODEL = "bench-model"
-SIZES = (8, 32, 64, 128)
-MODES = ("precise", "approximate")
+SIZES = (8, 64, 256, 1000)
+MODES = ("precise", "approximate", "approximate, all scored")
 REPEATS = 5
 REQUESTS = 2000
 
 
 def catalog(tmp: Path, endpoints: int, precise: bool) -> Path:
-    addresses = [f"127.0.0.{i}:8000" for i in range(1, endpoints + 1)]
+    addresses = [f"127.0.{i // 250}.{i % 250 + 1}:8000" for i in range(endpoints)]
     # Never connected to: the server is built, not started.
     kv_ports = {a: (9000 + i, None) for i, a in enumerate(addresses)} if precise else {}
     path = tmp / f"catalog-{endpoints}-{int(precise)}.yaml"
@@ -64,9 +66,15 @@ async def handle_stream(server: Server, messages: list[ep.ProcessingRequest]) ->
     stream.close()
 
 
-async def per_request_us(path: Path, precise: bool) -> float:
+async def per_request_us(path: Path, precise: bool, score_all: bool) -> float:
     prefix = PrefixSettings(tokenizers=(TokenizerSpec(MODEL, str(ensure("llama3"))),) if precise else ())
-    server = Server(ServeSettings(source=SourceSettings.parse(f"file:{path}"), seed=1, prefix=prefix))
+    settings = ServeSettings(
+        source=SourceSettings.parse(f"file:{path}"),
+        seed=1,
+        prefix=prefix,
+        candidates=CandidateSettings(score_all=score_all),
+    )
+    server = Server(settings)
     assert isinstance(server.source, FileSource)
     server.store.publish(server.source.load())
     messages = [*request_messages(chat_body(MODEL)), response_headers_message()]
@@ -87,7 +95,9 @@ async def run() -> dict[str, Any]:
         for mode in MODES:
             for size in SIZES:
                 path = catalog(Path(tmp), size, mode == "precise")
-                results["us"][mode][str(size)] = await per_request_us(path, mode == "precise")
+                results["us"][mode][str(size)] = await per_request_us(
+                    path, mode == "precise", mode.endswith("all scored")
+                )
     return results
 
 

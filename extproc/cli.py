@@ -25,6 +25,7 @@ from extproc.fetch import fetch_bounded
 from extproc.scheduling.registry import DEFAULT_POLICY, POLICIES
 from extproc.settings import (
     DEFAULT_ADMIN_LISTEN,
+    CandidateSettings,
     PrefixSettings,
     ServeSettings,
     SourceSettings,
@@ -51,6 +52,7 @@ def field_defaults(settings: type[Any]) -> dict[str, Any]:
 _SERVE = field_defaults(ServeSettings)
 _PREFIX = field_defaults(PrefixSettings)
 _SOURCE = field_defaults(SourceSettings)
+_CANDIDATES = field_defaults(CandidateSettings)
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -156,6 +158,30 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         action="store_true",
         help="add x-extproc-endpoint / -cached-tokens / -prefix-mode ... to responses (they name pods)",
     )
+    c = p.add_argument_group(
+        "candidate set",
+        "a pool larger than the three counts together scores only these endpoints per request "
+        "(docs/performance.md#large-pools)",
+    )
+    c.add_argument(
+        "--candidates-prefix",
+        type=int,
+        default=_CANDIDATES["prefix_holders"],
+        help="the endpoints holding the longest cached prefix of the prompt",
+    )
+    c.add_argument(
+        "--candidates-least-loaded",
+        type=int,
+        default=_CANDIDATES["least_loaded"],
+        help="the least-loaded endpoints (requests in flight, the engine's queue at its last scrape)",
+    )
+    c.add_argument(
+        "--candidates-random",
+        type=int,
+        default=_CANDIDATES["random"],
+        help="endpoints drawn at random, so none starves",
+    )
+    c.add_argument("--score-all-endpoints", action="store_true", help="score every endpoint of every pool")
     g = p.add_argument_group("prefix-cache-aware routing")
     g.add_argument(
         "--tokenizer",
@@ -240,6 +266,12 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
         max_body_bytes=args.max_body_bytes,
         max_buffered_bytes=args.max_buffered_bytes,
         max_fallbacks=args.max_fallbacks,
+        candidates=CandidateSettings(
+            prefix_holders=args.candidates_prefix,
+            least_loaded=args.candidates_least_loaded,
+            random=args.candidates_random,
+            score_all=args.score_all_endpoints,
+        ),
         drain_seconds=args.drain_seconds,
         seed=args.seed,
         prefix=_prefix_settings(args),

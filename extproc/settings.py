@@ -134,6 +134,45 @@ class TokenizerSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class CandidateSettings:
+    """How many endpoints of a large pool one decision scores (:mod:`extproc.scheduling.candidates`).
+
+    A pool no larger than the three counts together is scored whole."""
+
+    #: The endpoints holding the longest cached prefix of the prompt.
+    prefix_holders: int = 8
+    #: The least-loaded endpoints (our requests in flight, the engine's queue at its last scrape).
+    least_loaded: int = 8
+    #: Endpoints drawn at random, so none starves and new ones get tried.
+    random: int = 4
+    #: Score every endpoint whatever the pool's size.
+    score_all: bool = False
+
+    def __post_init__(self) -> None:
+        counts = {
+            "--candidates-prefix": self.prefix_holders,
+            "--candidates-least-loaded": self.least_loaded,
+            "--candidates-random": self.random,
+        }
+        for flag, value in counts.items():
+            if value < 0:
+                raise ConfigError(f"{flag} must be 0 or more, got {value}")
+        if not self.score_all and self.least_loaded + self.random < 1:
+            raise ConfigError(
+                "--candidates-least-loaded + --candidates-random must be 1 or more: prefix holders "
+                "alone leave a request nothing to score when no endpoint holds its prompt"
+            )
+
+    @property
+    def total(self) -> int:
+        return self.prefix_holders + self.least_loaded + self.random
+
+    def scores_all(self, pool_size: int) -> bool:
+        """Whether a pool of ``pool_size`` endpoints is scored whole."""
+        return self.score_all or pool_size <= self.total
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixSettings:
     """Prefix-cache-aware routing: tokenizers per model and the bounds of the indexes."""
 
@@ -209,6 +248,8 @@ class ServeSettings:
     #: single address only (a list gets 503), and the endpoint-picker protocol requires the header
     #: and the ``envoy.lb`` metadata to hold the same value. 0 works behind either.
     max_fallbacks: int = 0
+    #: How many endpoints of a large pool one decision scores.
+    candidates: CandidateSettings = field(default_factory=CandidateSettings)
     #: Seed for tie-breaking randomness; None for a random seed. Tests and benchmarks set it.
     seed: int | None = None
     #: Seconds to let in-flight streams finish on shutdown.

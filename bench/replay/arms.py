@@ -18,6 +18,7 @@ from extproc.scheduling.cache_then_load import CacheThenLoad
 from extproc.scheduling.least_in_flight import LeastInFlight
 from extproc.scheduling.policy import Policy
 from extproc.scheduling.profiles import Profile
+from extproc.settings import CandidateSettings
 from extproc.sim.engine_core import EngineParams
 
 log = logging.getLogger("bench.replay")
@@ -38,6 +39,8 @@ class Arm:
     #: True: the catalog declares no KV events, so the matcher uses our routing history (approximate).
     approximate: bool = False
     active: ActiveBlocks | None = None
+    #: The scheduler's candidate set (None: serve's default, which scores a pool of 20 or fewer whole).
+    candidates: CandidateSettings | None = None
 
 
 def true_profile(engine: EngineParams) -> Profile:
@@ -65,8 +68,13 @@ def ours(engine: EngineParams) -> tuple[str, Policy]:
         return "ours (cache-then-load)", CacheThenLoad()
 
 
-def default_arms(engine: EngineParams) -> list[Callable[[], Arm]]:
-    """Factories (fresh policy state per arm) in report order; edit here to add or swap a policy."""
+def default_arms(
+    engine: EngineParams, candidates: CandidateSettings | None = None
+) -> list[Callable[[], Arm]]:
+    """Factories (fresh policy state per arm) in report order; edit here to add or swap a policy.
+
+    With ``candidates``, ours runs twice: scoring every endpoint, then scoring that bounded set.
+    """
 
     def dynamo() -> Arm:
         active = ActiveBlocks(engine.block_size)
@@ -74,15 +82,24 @@ def default_arms(engine: EngineParams) -> list[Callable[[], Arm]]:
 
     def our_arm() -> Arm:
         name, policy = ours(engine)
-        return Arm(name, policy)
+        if candidates is None:
+            return Arm(name, policy)
+        return Arm(f"{name}, all scored", policy, candidates=CandidateSettings(score_all=True))
 
-    return [
+    def our_bounded_arm() -> Arm:
+        assert candidates is not None
+        name, policy = ours(engine)
+        c = candidates
+        return Arm(f"{name}, {c.prefix_holders}+{c.least_loaded}+{c.random} scored", policy, candidates=c)
+
+    arms: list[Callable[[], Arm]] = [
         lambda: Arm(RoundRobin.name, RoundRobin()),
         lambda: Arm(LeastInFlight.name, LeastInFlight()),
         lambda: Arm(GieLike.name, GieLike(), approximate=True),
         dynamo,
         our_arm,
     ]
+    return arms if candidates is None else [*arms, our_bounded_arm]
 
 
 @dataclass(slots=True)

@@ -147,6 +147,7 @@ class OfflineReplay:
             rng=random.Random(cfg.seed),
             prefix=self.routing.matcher,
             hooks=hooks,
+            candidates=arm.candidates,
         )
         self.control = RequestControl(
             catalog=lambda: self.store.current,

@@ -59,7 +59,7 @@ from extproc.openai import read_request
 from extproc.scheduling.hooks import remember_affinity
 from extproc.scheduling.scheduler import Scheduler
 from extproc.serve.prefix_routing import PrefixRouting
-from extproc.settings import PrefixSettings, TokenizerSpec
+from extproc.settings import CandidateSettings, PrefixSettings, TokenizerSpec
 from extproc.sim.engine_core import EngineParams
 from extproc.sim.prefix_cache import HASH_ALGOS
 from extproc.tokenize import shipped_tokenizer
@@ -222,6 +222,7 @@ async def _replay(
         prefix=routing.matcher,
         signals=None if scraper is None else scraper.usable,
         hooks=(remember_affinity(routing.matcher),),
+        candidates=arm.candidates,
     )
     control = RequestControl(catalog=lambda: store.current, scheduler=scheduler, load=load)
     sent: list[Sent] = []
@@ -400,6 +401,14 @@ def summarize(arm: dict[str, Any], scale: float) -> dict[str, Any]:
 # -- entry ------------------------------------------------------------------------------------------
 
 
+def _candidates(text: str) -> CandidateSettings:
+    try:
+        prefix, least, random_ = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected P,L,R (three whole numbers), got {text!r}") from None
+    return CandidateSettings(prefix_holders=prefix, least_loaded=least, random=random_)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 120 requests, time scale 0.1")
@@ -453,6 +462,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="xxhash",
         help="what the engines hash blocks with, as vLLM's --prefix-caching-hash-algo (xxhash: ~8x "
         "cheaper than sha256, and no decision changes: routers key blocks by their tokens)",
+    )
+    p.add_argument(
+        "--candidates",
+        type=_candidates,
+        default=None,
+        metavar="P,L,R",
+        help="also run ours scoring a bounded candidate set (P prefix holders, L least loaded, R random) "
+        "beside ours scoring every endpoint",
     )
     p.add_argument("--only", nargs="*", help="run only the policies whose names start with these")
     p.add_argument("--trace", type=Path, default=TRACE)
@@ -541,7 +558,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         "arms": [],
     }
     started = time.monotonic()
-    for factory in default_arms(EngineParams(**engine)):
+    for factory in default_arms(EngineParams(**engine), args.candidates):
         arm = factory()
         if args.only and not any(arm.name.startswith(o) for o in args.only):
             continue

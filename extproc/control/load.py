@@ -6,14 +6,18 @@ leases and keeps, per endpoint, what decisions read: how many requests are in fl
 prefill work we expect them to still do. Anything that learns of load (request control here, peers
 later) adds and removes leases; nothing else writes it. Everything runs on the event loop thread,
 so plain dict updates need no lock.
+
+Large pools read it in load order too (:mod:`extproc.control.load_order`): the view keeps that
+order as leases come and go, and as scrapes report the engines' own queues.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 
+from extproc.control.load_order import LoadOrder
 from extproc.types import EndpointAddress
 
 #: Who holds a lease: this replica's id, or a peer's.
@@ -55,6 +59,9 @@ class LoadView:
         self._counts: dict[EndpointAddress, int] = {}
         #: Per endpoint: leases still prefilling -> (tokens, until).
         self._prefills: dict[EndpointAddress, dict[LeaseKey, tuple[int, float]]] = {}
+        self._order = LoadOrder()
+        #: Pools whose endpoints the order knows: id -> the address set (held, so ids stay unique).
+        self._ordered: dict[int, Set[EndpointAddress]] = {}
 
     def __contains__(self, key: LeaseKey) -> bool:
         return key in self._leases
@@ -67,7 +74,8 @@ class LoadView:
         if lease.key in self._leases:
             return
         self._leases[lease.key] = lease
-        self._counts[lease.endpoint] = self._counts.get(lease.endpoint, 0) + 1
+        count = self._counts[lease.endpoint] = self._counts.get(lease.endpoint, 0) + 1
+        self._order.in_flight(lease.endpoint, count)
         if lease.prefill_tokens > 0 and lease.prefill_until > 0:
             self._prefills.setdefault(lease.endpoint, {})[lease.key] = (
                 lease.prefill_tokens,
@@ -85,6 +93,7 @@ class LoadView:
         else:
             # Drop zero entries so endpoints that left the pool do not linger forever.
             self._counts.pop(lease.endpoint, None)
+        self._order.in_flight(lease.endpoint, max(0, left))
         self.prefill_over(key, lease.endpoint)
         return lease
 
@@ -116,6 +125,28 @@ class LoadView:
                 tokens += pending
                 requests += 1
         return tokens, requests
+
+    def least_loaded(self, k: int, among: Set[EndpointAddress]) -> list[EndpointAddress]:
+        """Up to ``k`` endpoints of ``among`` with the least load, least first: ``max(in flight,
+        the engine's running + waiting at its last scrape)``. O(k) for one pool's endpoints; the
+        first call for an address set orders its endpoints (once per catalog snapshot)."""
+        known = self._ordered.get(id(among))
+        if known is not among:
+            if len(self._ordered) >= 1024:
+                self._ordered.clear()
+            self._ordered[id(among)] = among
+            self._order.add(among)
+        return self._order.least(k, among)
+
+    def engine_queue(self, address: EndpointAddress, requests: int) -> None:
+        """A scrape of ``address`` found ``requests`` running or waiting (for the load order)."""
+        self._order.queued(address, requests)
+
+    def keep_endpoints(self, addresses: Set[EndpointAddress]) -> None:
+        """The catalog now has only ``addresses``: the load order forgets the rest (leases stay
+        until their requests end)."""
+        self._order.keep(addresses)
+        self._ordered.clear()
 
     def snapshot(self) -> Mapping[EndpointAddress, int]:
         """In-flight counts per endpoint, now."""

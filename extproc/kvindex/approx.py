@@ -12,6 +12,7 @@ why the entries are bounded (oldest out) and precise mode always wins when avail
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 
 from extproc.types import EndpointAddress
 
@@ -74,12 +75,27 @@ class ApproxPrefixIndex:
         )
 
     def match(self, keys: Sequence[int], endpoints: Iterable[EndpointAddress]) -> dict[EndpointAddress, int]:
-        """Leading blocks each endpoint was sent, in approximate *tokens*."""
-        remaining = set(endpoints)
-        blocks: dict[EndpointAddress, int] = {}
-        depth = 0
+        """Leading blocks each endpoint was sent, in approximate *tokens* (every endpoint asked for
+        is in the answer: O(endpoints); the request path uses :meth:`holders`)."""
+        among = frozenset(endpoints)
+        return dict.fromkeys(among, 0) | self.holders(keys, among)
+
+    def holders(self, keys: Sequence[int], among: AbstractSet[EndpointAddress]) -> dict[EndpointAddress, int]:
+        """The endpoints of ``among`` that were sent at least the first chunk, with the leading
+        chunks each was sent in approximate *tokens*. Cost follows the matched chunks and their
+        holders, not the size of ``among``."""
+        if not keys:
+            return {}
         young, old = self._young.get, self._old.get
-        for key in keys:
+        first = young(keys[0]) or old(keys[0])
+        if not first:
+            return {}
+        remaining = first & among
+        blocks: dict[EndpointAddress, int] = {}
+        depth = 1
+        for key in keys[1:]:
+            if not remaining:
+                break
             holders = young(key) or old(key)
             if not holders:
                 break
@@ -89,8 +105,6 @@ class ApproxPrefixIndex:
                 for endpoint in remaining - still:
                     blocks[endpoint] = depth
                 remaining = still
-                if not remaining:
-                    break
             depth += 1
         for endpoint in remaining:
             blocks[endpoint] = depth

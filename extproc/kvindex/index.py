@@ -231,6 +231,10 @@ class PrefixIndex:
         state = self._states.get(source)
         return state is not None and state.lower is not None
 
+    def has_lower_tiers(self) -> bool:
+        """Some source holds blocks on an offload tier now: a lookup across tiers can differ."""
+        return bool(self._lower)
+
     def match(
         self, keys: Sequence[int], sources: Iterable[Source] | None = None, *, lower_tiers: bool = False
     ) -> dict[Source, int]:
@@ -238,30 +242,45 @@ class PrefixIndex:
 
         ``sources`` defaults to every registered source; unregistered ones asked for get 0.
         ``lower_tiers`` counts a block held on any tier (GPU or offload) instead of GPU only.
-        Cost: one dict lookup and two bit operations per key, until no asked-for source is left.
+        Every source asked for is in the answer, so this costs O(sources); the request path uses
+        :meth:`holders`, whose cost follows the matched blocks.
         """
-        result: dict[Source, int] = {}
         if sources is None:
+            result = dict.fromkeys(self._states, 0)
             mask = self._all_bits
         else:
-            mask = 0
+            result, mask = {}, 0
             for source in sources:
+                result[source] = 0
                 state = self._states.get(source)
-                if state is None:
-                    result[source] = 0
-                else:
+                if state is not None:
                     mask |= state.bit
-        if not mask:
-            return result
+        if mask:
+            result.update(self._walk(keys, mask, lower_tiers))
+        return result
+
+    def holders(self, keys: Sequence[int], *, lower_tiers: bool = False) -> dict[Source, int]:
+        """The sources holding at least the first of ``keys``, with how many leading keys each holds.
+
+        Cost: one dict lookup and two bit operations per key until no source is left, plus one
+        entry per holder: it follows the matched blocks and their holders, not how many sources
+        are registered (a source absent from the answer holds nothing of the prompt).
+        """
+        return self._walk(keys, self._all_bits, lower_tiers) if self._all_bits else {}
+
+    def _walk(self, keys: Sequence[int], mask: int, lower_tiers: bool) -> dict[Source, int]:
+        result: dict[Source, int] = {}
         if lower_tiers and self._lower:
             position, mask = self._walk_any_tier(keys, mask, result)
         else:
             position, mask = self._walk_gpu(keys, mask, result)
-        self._record(mask, position, result)
+        if position:
+            self._record(mask, position, result)
         return result
 
     def _walk_gpu(self, keys: Sequence[int], mask: int, result: dict[Source, int]) -> tuple[int, int]:
-        """Narrow ``mask`` key by key; returns where the walk stopped and who was still in."""
+        """Narrow ``mask`` key by key, recording each source where it drops out (after one key
+        at least); returns where the walk stopped and who was still in."""
         get = self._gpu.get
         position = 0
         for key in keys:
@@ -269,7 +288,8 @@ class PrefixIndex:
             if held != mask:  # usually equal: prefixes are contiguous, so holders narrow as we go
                 held &= mask
                 if held != mask:
-                    self._record(mask ^ held, position, result)
+                    if position:
+                        self._record(mask ^ held, position, result)
                     mask = held
                     if not mask:
                         break
@@ -283,7 +303,8 @@ class PrefixIndex:
         for key in keys:
             held = (get(key, 0) | get_lower(key, 0)) & mask
             if held != mask:
-                self._record(mask ^ held, position, result)
+                if position:
+                    self._record(mask ^ held, position, result)
                 mask = held
                 if not mask:
                     break

@@ -32,11 +32,11 @@ from typing import Literal
 from extproc.catalog.model import Catalog, Endpoint, Route
 from extproc.errors import BadRequest
 from extproc.kvindex.approx import CHARS_PER_TOKEN, ApproxPrefixIndex
-from extproc.kvindex.events import Source
 from extproc.kvindex.index import PrefixIndex
 from extproc.kvindex.keys import block_keys, namespace_seed
 from extproc.openai import ChatPrompt, InferenceRequest, Prompt
 from extproc.scheduling.path_keys import path_block_keys
+from extproc.scheduling.pool import Pool, PoolCache
 from extproc.telemetry import LogLimiter
 from extproc.tokenize.pool import TokenizePool
 from extproc.tokenize.registry import ModelTokenizer, TokenizerRegistry
@@ -144,6 +144,7 @@ class PrefixMatcher:
         self.pool = pool
         self.tokenizers = tokenizers
         self.approx = approx
+        self._pools = PoolCache()
         #: Models whose tokenizer disagrees with their engines (tokenizer parity): routed approximately.
         self.blocked = blocked
         self.counters = PrefixCounters()
@@ -229,36 +230,37 @@ class PrefixMatcher:
         catalog: Catalog,
         route: Route,
         request: InferenceRequest,
-        candidates: Sequence[Endpoint],
+        candidates: Sequence[Endpoint] | Pool,
         tokenized: Tokenized | None = None,
     ) -> PrefixMatch:
-        """Cached tokens for every candidate (absent = 0); ``tokenized``: the ids computed already."""
-        precise = [e for e in candidates if e.kv_events_port is not None]
-        rest = [e for e in candidates if e.kv_events_port is None]
+        """Cached tokens of the candidates that hold some of the prompt (absent = 0); ``tokenized``:
+        the ids computed already. Costs what the match finds, not the number of candidates."""
+        pool = candidates if isinstance(candidates, Pool) else self._pools.get(catalog, candidates)
         mode: PrefixMode = "none"
         cached: dict[EndpointAddress, int] = {}
         ranks: dict[EndpointAddress, int] = {}
         lower: dict[EndpointAddress, int] = {}
         tokens: Sequence[int] | None = None
-        if precise and (tokenized is None or tokenized.model != route.upstream_model):
+        approximate = pool.approximate
+        if pool.precise and (tokenized is None or tokenized.model != route.upstream_model):
             tokenized = self._tokens(route.upstream_model, request)
-        if precise and tokenized is not None and tokenized.ids is not None:
+        if pool.precise and tokenized is not None and tokenized.ids is not None:
             tokens = tokenized.ids
             mode = "precise"
             seed = namespace_seed(route.upstream_model, request.cache_salt)
-            self._match_precise(catalog, seed, tokenized, precise, cached, ranks, lower)
+            self._match_precise(pool, seed, tokenized, cached, ranks, lower)
         else:
-            rest = list(candidates)
+            approximate = pool.addresses
         keys: list[int] = []
         prompt_tokens = None if tokens is None else len(tokens)
-        if rest:
+        if approximate:
             text = request.prefix_text
             if text is not None:
                 if prompt_tokens is None:
                     prompt_tokens = len(text) // CHARS_PER_TOKEN
                 keys = self.approx.keys(text, route.upstream_model, request.cache_salt)
                 mode = "approximate" if mode == "none" else mode
-                cached.update(self.approx.match(keys, [e.address for e in rest]))
+                cached.update(self.approx.holders(keys, approximate))
         self.counters.lookups[mode] += 1
         return PrefixMatch(mode, cached, prompt_tokens, keys, ranks, lower)
 
@@ -296,10 +298,9 @@ class PrefixMatcher:
 
     def _match_precise(
         self,
-        catalog: Catalog,
+        pool: Pool,
         seed: int,
         tokenized: Tokenized,
-        endpoints: list[Endpoint],
         cached: dict[EndpointAddress, int],
         ranks: dict[EndpointAddress, int],
         lower: dict[EndpointAddress, int],
@@ -309,20 +310,13 @@ class PrefixMatcher:
         The rank is reported only for pods with several ranks and a hit, so the engine's own load
         balancer still spreads requests that no rank has cached. When any engine offloads to a lower
         tier, ``lower`` gets, for that rank, the tokens an offload tier holds past the GPU hit.
+        The index walks every source at once and answers only those holding the prompt's first
+        block; holders outside the pool (another route's, another block size's) are passed over.
         """
-        groups: dict[int, list[Source]] = {}
-        multi_rank: set[EndpointAddress] = set()
-        for endpoint in endpoints:
-            ws = catalog.worker_sets.get(endpoint.worker_set)
-            if ws is not None:
-                group = groups.setdefault(ws.kv_block_size, [])
-                group.extend(Source(endpoint.address, rank) for rank in range(ws.data_parallel_size))
-                if ws.data_parallel_size > 1:
-                    multi_rank.add(endpoint.address)
         token_tuple: tuple[int, ...] | None = None
         # Per endpoint, its best rank: most GPU-cached tokens, then the furthest reach on any tier.
         best: dict[EndpointAddress, tuple[int, int, int]] = {}
-        for block_size, sources in groups.items():
+        for block_size, addresses in pool.precise.items():
             keys = tokenized.keys.get(block_size)
             if keys is None and tokenized.path is not None:
                 keys = path_block_keys(tokenized.path, block_size, seed)
@@ -330,18 +324,21 @@ class PrefixMatcher:
                 assert tokenized.ids is not None
                 token_tuple = token_tuple or tuple(tokenized.ids)
                 keys = block_keys(token_tuple, block_size, seed)
-            gpu = self.index.match(keys, sources)
-            # A second walk only for the sources that offload (usually all of a fleet, or none).
-            offloading = [s for s in sources if self.index.has_lower_tier(s)]
-            any_tier = self.index.match(keys, offloading, lower_tiers=True) if offloading else {}
-            for source, blocks in gpu.items():
-                held = blocks * block_size
-                reach = max(held, any_tier.get(source, 0) * block_size)
+            gpu = self.index.holders(keys)
+            # A second walk only when some engine offloads (usually all of a fleet, or none).
+            any_tier = self.index.holders(keys, lower_tiers=True) if self.index.has_lower_tiers() else {}
+            for source, blocks in (any_tier or gpu).items():
+                if source.endpoint not in addresses:
+                    continue
+                held = gpu.get(source, 0) * block_size
+                reach = max(held, blocks * block_size)
                 current = best.get(source.endpoint)
                 if current is None or (held, reach) > current[:2]:
                     best[source.endpoint] = (held, reach, source.dp_rank)
+        multi_rank = pool.multi_rank
         for address, (held, reach, rank) in best.items():
-            cached[address] = held
+            if held:
+                cached[address] = held
             if reach and address in multi_rank:
                 ranks[address] = rank
             if reach > held:

@@ -2,13 +2,16 @@
 
 The pipeline, once per request, against the catalog snapshot request control resolved the route in:
 
-1. **filter** what needs only the request (:mod:`extproc.scheduling.filters`: the subset hint,
-   endpoints whose process is gone);
-2. **produce** the prefix match (:mod:`extproc.scheduling.prefix`), then **filter** what needs it
-   (context window), then one :class:`~extproc.scheduling.policy.Candidate` per endpoint with load
-   and engine signals;
-3. **rank** with the policy (:mod:`extproc.scheduling.registry`), cut to the pick + fallbacks;
-4. tell the **decision hooks** (approximate affinity, calibration): policies stay pure, what a
+1. **bound** the pool by the data plane's subset hint (:data:`~extproc.scheduling.filters.POOL_FILTERS`);
+2. **produce** the prefix match (:mod:`extproc.scheduling.prefix`): the endpoints holding some of
+   the prompt, at a cost that follows the match, not the pool;
+3. **choose** what to score: every endpoint of a small pool; of a large one, the best prefix
+   holders, the least loaded and a few at random (:mod:`extproc.scheduling.candidates`);
+4. **filter** the chosen (:data:`~extproc.scheduling.filters.CANDIDATE_FILTERS`: endpoints whose
+   process is gone, context windows), the whole pool when none of the chosen passes; then one
+   :class:`~extproc.scheduling.policy.Candidate` per endpoint with load and engine signals;
+5. **rank** with the policy (:mod:`extproc.scheduling.registry`), cut to the pick + fallbacks;
+6. tell the **decision hooks** (approximate affinity, calibration): policies stay pure, what a
    pick teaches is recorded here, once, after the decision is made.
 
 Nothing awaits in the middle of a decision: the catalog snapshot, the index and the load view are
@@ -19,17 +22,21 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Protocol
 
 from extproc.catalog.model import Catalog, Endpoint, Route
 from extproc.errors import NoReadyEndpoint, Overloaded
 from extproc.openai import InferenceRequest
+from extproc.scheduling.candidates import choose
 from extproc.scheduling.engine_signals import EngineSignals
-from extproc.scheduling.filters import AFTER_MATCH, BEFORE_MATCH, FilterContext, wanted
+from extproc.scheduling.filters import CANDIDATE_FILTERS, POOL_FILTERS, FilterContext, apply, wanted
 from extproc.scheduling.least_in_flight import LeastInFlight
 from extproc.scheduling.policy import Candidate, Policy, Prediction, RequestFacts
+from extproc.scheduling.pool import PoolCache
 from extproc.scheduling.prefix import NO_MATCH, PrefixMatch, PrefixMatcher, Tokenized
+from extproc.settings import CandidateSettings
 from extproc.types import EndpointAddress
 
 #: Requests without a model have no prompt to match and no model to predict for: spread by load.
@@ -78,6 +85,10 @@ class Load(Protocol):
         """(uncached prompt tokens, requests) routed to ``address`` whose prefill should still run."""
         ...
 
+    def least_loaded(self, k: int, among: AbstractSet[EndpointAddress]) -> list[EndpointAddress]:
+        """Up to ``k`` endpoints of ``among`` with the least load, least first, in O(k)."""
+        ...
+
 
 #: Told every decision (never a shed one): what the pick teaches (affinity, calibration).
 DecisionHook = Callable[[Decision], None]
@@ -97,6 +108,7 @@ class Scheduler:
         signals: Callable[[EndpointAddress], EngineSignals | None] | None = None,
         reachable: Callable[[EndpointAddress], bool] | None = None,
         hooks: Sequence[DecisionHook] = (),
+        candidates: CandidateSettings | None = None,
     ) -> None:
         self._load = load
         self.policy = policy
@@ -106,6 +118,8 @@ class Scheduler:
         self._signals = signals or (lambda _address: None)
         self._reachable = reachable or (lambda _address: True)
         self._hooks = tuple(hooks)
+        self.candidates = candidates or CandidateSettings()
+        self._pools = PoolCache()
 
     def decide(
         self,
@@ -123,13 +137,18 @@ class Scheduler:
             raise NoReadyEndpoint(f"no ready endpoint serves {wanted(route)}")
         max_tokens = None if request is None else request.max_tokens
         context = FilterContext(catalog, route, subset, max_tokens, reachable=self._reachable)
-        for keep in BEFORE_MATCH:
-            endpoints = keep(context, endpoints)
+        endpoints = apply(POOL_FILTERS, context, endpoints)
+        pool = self._pools.get(catalog, endpoints)
         if route is not None and request is not None and self.prefix is not None:
-            match = self.prefix.match(catalog, route, request, endpoints, tokenized)
+            match = self.prefix.match(catalog, route, request, pool, tokenized)
             context = FilterContext(catalog, route, subset, max_tokens, match, self._reachable)
-        for keep in AFTER_MATCH:
-            endpoints = keep(context, endpoints)
+        limits = self.candidates
+        if limits.scores_all(len(pool)):
+            endpoints = apply(CANDIDATE_FILTERS, context, endpoints)
+        else:
+            least = self._load.least_loaded(limits.least_loaded, pool.addresses)
+            chosen = choose(pool, context.prefix.cached_tokens, least, limits, self._rng)
+            endpoints = apply(CANDIDATE_FILTERS, context, chosen, pool=endpoints)
         if route is None:
             facts = RequestFacts("", None, None)
             ranking = _MODELLESS.rank(facts, self._candidates(endpoints, NO_MATCH), self._rng)

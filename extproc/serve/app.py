@@ -27,6 +27,7 @@ from extproc.protocol.budget import BodyBudget
 from extproc.protocol.listener import ExtProcListener
 from extproc.protocol.stream import StreamOptions
 from extproc.scheduling.calibration import Calibration, fitted_profiles
+from extproc.scheduling.engine_signals import EngineSignals
 from extproc.scheduling.hooks import calibrate, remember_affinity
 from extproc.scheduling.policy import Policy
 from extproc.scheduling.predictor import PredictedTTFT
@@ -43,7 +44,7 @@ from extproc.sources.file import FileSource, ReloadOutcome
 from extproc.sources.kube import KubeSource
 from extproc.tasks import StartStop, cancel_and_wait
 from extproc.telemetry import Metrics
-from extproc.types import WorkerSetKey
+from extproc.types import EndpointAddress, WorkerSetKey
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class Server(StartStop):
             self.store,
             interval=settings.scrape_interval or 1.0,
             on_unreachable=self.prefix.endpoint_gone,
-            on_signals=self.calibration.scraped,
+            on_signals=self._scraped,
         )
         #: What the source declares; the store holds it with what model discovery learned applied.
         self._declared = Catalog()
@@ -91,7 +92,9 @@ class Server(StartStop):
             signals=self.scraper.usable if scraping else None,
             reachable=self.scraper.reachable if scraping else None,
             hooks=hooks,
+            candidates=settings.candidates,
         )
+        self.store.subscribe(self._prune_load_order)
         self.control = RequestControl(
             catalog=lambda: self.store.current,
             scheduler=self.scheduler,
@@ -196,6 +199,13 @@ class Server(StartStop):
                 UnknownProfileCollector(lambda: self.store.current, lambda p: self.profiles.resolve(p)[1])
             )
         return policy
+
+    def _scraped(self, address: EndpointAddress, signals: EngineSignals) -> None:
+        self.calibration.scraped(address, signals)
+        self.load.engine_queue(address, (signals.running or 0) + (signals.waiting or 0))
+
+    def _prune_load_order(self, catalog: Catalog) -> None:
+        self.load.keep_endpoints({e.address for ws in catalog.worker_sets.values() for e in ws.endpoints})
 
     def _republish(self) -> None:
         """Publish the declared catalog with the models endpoints report (Endpoint discovery mode)."""

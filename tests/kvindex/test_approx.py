@@ -72,6 +72,20 @@ def test_match_counts_leading_chunks_in_approximate_tokens() -> None:
     assert index.match(keys, []) == {}
 
 
+def test_holders_names_only_endpoints_of_the_pool_that_were_sent_the_prompt() -> None:
+    """The request path's lookup leaves out endpoints sent nothing of the prompt, and holders
+    outside the pool asked about (another model's endpoints)."""
+    index = ApproxPrefixIndex()
+    keys = index.keys(TEXT, MODEL)
+    index.record(keys[:6], A)
+    index.record(keys[:2], B)
+    index.record(keys[:3], C)
+    assert index.holders(keys, frozenset({A, B})) == {A: 6 * TOKENS_PER_BLOCK, B: 2 * TOKENS_PER_BLOCK}
+    assert index.holders(keys[1:], frozenset({A, C})) == {A: 5 * TOKENS_PER_BLOCK, C: 2 * TOKENS_PER_BLOCK}
+    assert index.holders(keys, frozenset()) == {}
+    assert index.holders([], frozenset({A})) == {}
+
+
 def test_match_stops_at_the_first_missing_chunk() -> None:
     """Chunks after a chunk the endpoint was never sent do not count."""
     index = ApproxPrefixIndex()

@@ -64,6 +64,21 @@ def test_stored_blocks_match_as_a_prefix() -> None:
     assert index.match([]) == {A: 0, B: 0}
 
 
+def test_holders_answers_only_the_sources_holding_the_prompt() -> None:
+    """The request path's lookup names the holders of the first block and how far each goes; a
+    registered source holding nothing of the prompt is left out (it holds 0)."""
+    index = make_index(A, B, C)
+    apply(index, A, stored(0, 3))
+    apply(index, C, stored(0, 5))
+    assert index.holders(KEYS) == {A: 3, C: 5}
+    assert index.holders(KEYS[1:]) == {A: 2, C: 4}
+    assert index.holders(block_keys(OTHER, 16, namespace_seed(MODEL))) == {}
+    assert index.holders([]) == {}
+    apply(index, B, stored(0, 2, medium="CPU"))
+    assert index.holders(KEYS) == {A: 3, C: 5}
+    assert index.holders(KEYS, lower_tiers=True) == {A: 3, B: 2, C: 5}
+
+
 def test_a_block_stored_twice_survives_one_removal() -> None:
     """Engine hashes are ref-counted: two copies need two removals; a third is an unknown removal."""
     index = make_index(A)
@@ -500,6 +515,10 @@ def first_disagreement(ops: list[Op], docs: list[tuple[int, ...]]) -> str | None
                 got, want = index.match(keys, live, lower_tiers=lower), reference.match(keys, live, lower)
                 if got != want:
                     return f"after op {step} ({op!r}), lower_tiers={lower}: index {got} != reference {want}"
+                every = reference.match(keys, list(reference.settings), lower)
+                held = {s: n for s, n in every.items() if n}
+                if (got_held := index.holders(keys, lower_tiers=lower)) != held:
+                    return f"after op {step} ({op!r}), lower_tiers={lower}: holders {got_held} != {held}"
     return None
 
 

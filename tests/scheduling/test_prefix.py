@@ -210,7 +210,7 @@ def test_catalog_is_what_the_tests_assume() -> None:
 
 @pytest.mark.parametrize(("path", "payload"), PROMPTS, ids=PROMPT_IDS)
 def test_precise_credits_each_endpoint_with_the_blocks_it_holds(path: str, payload: dict[str, Any]) -> None:
-    """Cached tokens = leading blocks held x the set's block size; holders of nothing get 0."""
+    """Cached tokens = leading blocks held x the set's block size; holders of nothing are absent (0)."""
     router = Router()
     tokens = engine_tokens(path, payload)
     assert len(tokens) >= 8 * 16
@@ -219,7 +219,7 @@ def test_precise_credits_each_endpoint_with_the_blocks_it_holds(path: str, paylo
     router.feed(Q1, tokens, 8)  # another model's pod: not a candidate
     match = router.match(LLAMA, path, payload)
     assert match.mode == "precise"
-    assert match.cached_tokens == {KV1: 5 * 16, KV2: 0, BIG: 2 * 32, PLAIN: 0}
+    assert match.cached_tokens == {KV1: 5 * 16, BIG: 2 * 32}
     assert match.prompt_tokens == len(tokens)
     assert router.lookups() == {"precise": 1, "approximate": 0, "none": 0}
     assert router.tokenize_errors() == 0
@@ -233,12 +233,7 @@ def test_precise_counts_only_the_leading_blocks_the_prompt_shares(path: str, pay
     other = [*tokens[: 3 * 16], *(t + 1 for t in tokens[3 * 16 :])]
     router.feed(KV2, other, 8)
     assert router.match(LLAMA, path, payload).cached_tokens[KV2] == 3 * 16
-    assert router.match(LLAMA, COMPLETIONS, {"prompt": "Something else entirely."}).cached_tokens == {
-        KV1: 0,
-        KV2: 0,
-        BIG: 0,
-        PLAIN: 0,
-    }
+    assert router.match(LLAMA, COMPLETIONS, {"prompt": "Something else entirely."}).cached_tokens == {}
 
 
 @pytest.mark.parametrize(("path", "payload"), PROMPTS, ids=PROMPT_IDS)
@@ -251,12 +246,12 @@ def test_a_salted_prompt_is_credited_only_with_blocks_cached_under_its_salt(
     router.feed(KV1, tokens, 5)  # unsalted
     router.feed(KV2, tokens, 3, salt="tenant-a")  # vLLM's extra_keys carry the salt
     assert router.match(LLAMA, path, payload).cached_tokens[KV1] == 5 * 16
-    assert router.match(LLAMA, path, payload).cached_tokens[KV2] == 0
+    assert router.match(LLAMA, path, payload).cached_tokens.get(KV2, 0) == 0
     salted = router.match(LLAMA, path, {**payload, "cache_salt": "tenant-a"})
     assert salted.mode == "precise"
-    assert (salted.cached_tokens[KV1], salted.cached_tokens[KV2]) == (0, 3 * 16)
+    assert salted.cached_tokens == {KV2: 3 * 16}
     other = router.match(LLAMA, path, {**payload, "cache_salt": "tenant-b"})
-    assert (other.cached_tokens[KV1], other.cached_tokens[KV2]) == (0, 0)
+    assert other.cached_tokens == {}
 
 
 def test_approximate_affinity_keeps_salted_prompts_apart() -> None:
@@ -265,8 +260,11 @@ def test_approximate_affinity_keeps_salted_prompts_apart() -> None:
     first = router.match(QWEN, COMPLETIONS, {"prompt": LONG, "cache_salt": "tenant-a"})
     router.matcher.record(first, Q1)
     assert router.match(QWEN, COMPLETIONS, {"prompt": LONG, "cache_salt": "tenant-a"}).cached_tokens[Q1] > 0
-    assert router.match(QWEN, COMPLETIONS, {"prompt": LONG}).cached_tokens[Q1] == 0
-    assert router.match(QWEN, COMPLETIONS, {"prompt": LONG, "cache_salt": "tenant-b"}).cached_tokens[Q1] == 0
+    assert Q1 not in router.match(QWEN, COMPLETIONS, {"prompt": LONG}).cached_tokens
+    assert (
+        router.match(QWEN, COMPLETIONS, {"prompt": LONG, "cache_salt": "tenant-b"}).cached_tokens.get(Q1, 0)
+        == 0
+    )
 
 
 def test_untokenizable_request_falls_back_to_approximate() -> None:
@@ -276,13 +274,13 @@ def test_untokenizable_request_falls_back_to_approximate() -> None:
     router.feed(KV1, engine_tokens(COMPLETIONS, {"prompt": LONG}), 5)
     first = router.match(LLAMA, CHAT, payload)
     assert first.mode == "approximate" and first.prompt_tokens == estimated_tokens(CHAT, payload)
-    assert first.cached_tokens == {KV1: 0, KV2: 0, BIG: 0, PLAIN: 0}
+    assert first.cached_tokens == {}
     assert first.approx_keys
     router.matcher.record(first, KV2)
     second = router.match(LLAMA, CHAT, payload)
     assert second.mode == "approximate"
     assert second.cached_tokens[KV2] == len(first.approx_keys) * APPROX_TOKENS_PER_BLOCK > 0
-    assert {a: n for a, n in second.cached_tokens.items() if a != KV2} == {KV1: 0, BIG: 0, PLAIN: 0}
+    assert set(second.cached_tokens) == {KV2}
     assert router.tokenize_errors() == 2
     assert router.lookups() == {"precise": 0, "approximate": 2, "none": 0}
 
@@ -308,11 +306,11 @@ def test_model_without_tokenizer_learns_from_recorded_decisions(
     router.feed(Q2, engine_tokens(path, first), 4)  # without the model's tokens its KV events cannot count
     before = router.match(QWEN, path, first)
     assert before.mode == "approximate"
-    assert before.cached_tokens == {Q1: 0, Q2: 0}
+    assert before.cached_tokens == {}
     router.matcher.record(before, Q1)
     after = router.match(QWEN, path, second)
     assert after.mode == "approximate"
-    assert after.cached_tokens == {Q1: shared_chunks * APPROX_TOKENS_PER_BLOCK, Q2: 0}
+    assert after.cached_tokens == {Q1: shared_chunks * APPROX_TOKENS_PER_BLOCK}
     assert router.tokenize_errors() == 0
 
 
@@ -323,13 +321,13 @@ def test_endpoints_without_kv_events_are_matched_approximately() -> None:
     router.feed(KV1, engine_tokens(path, payload), 3)
     only_plain = router.match(LLAMA, path, payload, only=[PLAIN])
     assert only_plain.mode == "approximate" and only_plain.prompt_tokens == estimated_tokens(path, payload)
-    assert only_plain.cached_tokens == {PLAIN: 0}
+    assert only_plain.cached_tokens == {}
     router.matcher.record(only_plain, PLAIN)
     mixed = router.match(LLAMA, path, payload)
     assert mixed.mode == "precise"
     learned = len(only_plain.approx_keys) * APPROX_TOKENS_PER_BLOCK
     assert learned > 0
-    assert mixed.cached_tokens == {KV1: 3 * 16, KV2: 0, BIG: 0, PLAIN: learned}
+    assert mixed.cached_tokens == {KV1: 3 * 16, PLAIN: learned}
     assert router.lookups() == {"precise": 1, "approximate": 1, "none": 0}
 
 
@@ -342,7 +340,7 @@ def test_model_blocked_by_tokenizer_parity_is_matched_approximately(
     router.feed(KV1, engine_tokens(path, payload), 5)
     match = router.match(LLAMA, path, payload)
     assert match.mode == "approximate" and match.prompt_tokens == estimated_tokens(path, payload)
-    assert match.cached_tokens == {KV1: 0, KV2: 0, BIG: 0, PLAIN: 0}
+    assert match.cached_tokens == {}
     assert router.tokenize_errors() == 0
 
 
@@ -447,7 +445,7 @@ def test_data_parallel_pod_reports_the_rank_holding_the_prefix() -> None:
     ]
     assert plans[Source(EndpointAddress("10.0.9.1:8000"), 1)].target.pub_address == "tcp://10.0.9.1:5558"
     match = match_after_rank1_stores(catalog, medium="GPU")
-    assert match.cached_tokens == {EndpointAddress("10.0.9.1:8000"): 48, EndpointAddress("10.0.9.2:8000"): 0}
+    assert match.cached_tokens == {EndpointAddress("10.0.9.1:8000"): 48}
     assert match.ranks == {EndpointAddress("10.0.9.1:8000"): 1}
 
 
@@ -463,7 +461,7 @@ def test_offloaded_blocks_after_the_gpu_hit_are_reported_per_endpoint() -> None:
     router.feed(b, tokens, 3, medium="CPU")  # CPU only: blocks 0-2
     match = router.match(LLAMA, path, payload)
     assert match.cached_tokens[EndpointAddress(a)] == 32
-    assert match.cached_tokens[EndpointAddress(b)] == 0
+    assert EndpointAddress(b) not in match.cached_tokens
     assert match.lower_tier_tokens == {EndpointAddress(a): 48, EndpointAddress(b): 48}
     assert EndpointAddress(c) not in match.lower_tier_tokens
 
@@ -481,7 +479,7 @@ def test_without_offload_tiers_no_lower_tier_tokens_are_reported() -> None:
 def test_data_parallel_pod_names_the_rank_whose_offload_tier_holds_the_prefix() -> None:
     """No GPU hit anywhere, rank 1 holds the prefix on CPU: rank 1 is named, its tokens count as offloaded."""
     match = match_after_rank1_stores(dp_catalog(["10.0.9.1"]), medium="CPU")
-    assert match.cached_tokens == {EndpointAddress("10.0.9.1:8000"): 0}
+    assert match.cached_tokens == {}
     assert match.lower_tier_tokens == {EndpointAddress("10.0.9.1:8000"): 48}
     assert match.ranks == {EndpointAddress("10.0.9.1:8000"): 1}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -19,6 +19,8 @@ from extproc.scheduling.cache_then_load import CacheThenLoad
 from extproc.scheduling.hooks import remember_affinity
 from extproc.scheduling.prefix import NO_MATCH
 from extproc.scheduling.scheduler import Decision, Scheduler
+from extproc.settings import CandidateSettings
+from extproc.types import EndpointAddress
 from scheduling.test_prefix import (
     BIG,
     CHAT,
@@ -56,7 +58,13 @@ class Deciding:
 
 
 def make_scheduler(
-    router: Router | None, load: LoadView, *, seed: int = 1, max_fallbacks: int = 3
+    router: Router | None,
+    load: LoadView,
+    *,
+    seed: int = 1,
+    max_fallbacks: int = 3,
+    candidates: CandidateSettings | None = None,
+    reachable: Callable[[EndpointAddress], bool] | None = None,
 ) -> Deciding:
     catalog = (router or Router()).catalog
     scheduler = Scheduler(
@@ -66,6 +74,8 @@ def make_scheduler(
         rng=random.Random(seed),
         prefix=None if router is None else router.matcher,
         hooks=() if router is None else (remember_affinity(router.matcher),),
+        candidates=candidates,
+        reachable=reachable,
     )
     return Deciding(RequestControl(catalog=lambda: catalog, scheduler=scheduler, load=load))
 
@@ -121,7 +131,7 @@ def test_approximate_decisions_are_recorded_and_followed(
     router, inflight = Router(), LoadView()
     scheduler = make_scheduler(router, inflight)
     one = scheduler.schedule(req(QWEN, path, first))
-    assert one.prefix.mode == "approximate" and one.prefix.cached_tokens == {Q1: 0, Q2: 0}
+    assert one.prefix.mode == "approximate" and one.prefix.cached_tokens == {}
     assert len(router.matcher.approx) == len(one.prefix.approx_keys) > 0
     went = one.endpoints[0].address
     inflight.add(lease(went))
@@ -163,7 +173,7 @@ def test_subset_is_applied_before_scoring() -> None:
         req(LLAMA, path, payload), frozenset({KV1, "10.0.3.1"})
     )
     assert {e.address for e in decision.endpoints} == {KV1, BIG}
-    assert set(decision.prefix.cached_tokens) == {KV1, BIG}
+    assert KV2 not in decision.prefix.cached_tokens  # the holder outside the subset was not matched
 
 
 def test_equal_cache_ties_are_spread() -> None:
@@ -192,3 +202,57 @@ def test_errors_come_before_any_lookup(
     with pytest.raises(error):
         make_scheduler(router, LoadView()).schedule(req(model, *PROMPTS[0]), subset)
     assert router.matcher.counters.lookups == {"precise": 0, "approximate": 0, "none": 0}
+
+
+#: A bounded candidate set smaller than the LLAMA pool's four endpoints: one prefix holder, one
+#: least-loaded endpoint, nothing at random.
+TWO = CandidateSettings(prefix_holders=1, least_loaded=1, random=0)
+
+
+def test_a_large_pool_scores_the_best_prefix_holder_and_the_least_loaded_only() -> None:
+    """Past the candidate limits, the decision scores the top prefix holder and the least-loaded
+    endpoint, nothing else: the holder wins as when every endpoint is scored, and the fallbacks come
+    from the scored set."""
+    router, load = Router(), LoadView()
+    path, payload = PROMPTS[0]
+    router.feed(KV2, engine_tokens(path, payload), 6)
+    busy(load, KV2=3, KV1=2, BIG=2)
+    bounded = make_scheduler(router, load, candidates=TWO).schedule(req(LLAMA, path, payload))
+    everyone = make_scheduler(router, load).schedule(req(LLAMA, path, payload))
+    assert bounded.pick.address == everyone.pick.address == KV2
+    assert [e.address for e in bounded.endpoints] == [KV2, PLAIN]
+    assert len(everyone.endpoints) == 4
+
+
+def test_a_large_pool_with_no_prefix_holder_goes_to_the_least_loaded() -> None:
+    """With nothing cached anywhere, the least-loaded endpoint is scored and picked."""
+    router, load = Router(), LoadView()
+    busy(load, KV1=2, KV2=1, PLAIN=3)
+    path, payload = PROMPTS[0]
+    decision = make_scheduler(router, load, candidates=TWO).schedule(req(LLAMA, path, payload))
+    assert decision.pick.address == BIG
+
+
+def test_a_large_pool_whose_chosen_endpoints_are_all_down_looks_at_the_rest() -> None:
+    """When the endpoints chosen for scoring are all gone, the rest of the pool is scored before
+    a request is sent to a dead engine."""
+    router, load = Router(), LoadView()
+    path, payload = PROMPTS[0]
+    router.feed(KV2, engine_tokens(path, payload), 6)
+    up = {PLAIN}
+    deciding = make_scheduler(router, load, candidates=TWO, reachable=lambda a: a in up)
+    assert deciding.schedule(req(LLAMA, path, payload)).pick.address == PLAIN
+
+
+def test_a_large_pool_spreads_equal_requests_over_every_endpoint() -> None:
+    """Requests held open on a pool larger than the candidate set reach every endpoint: none
+    starves behind the ones scored first."""
+    router, load = Router(), LoadView()
+    deciding = make_scheduler(router, load, candidates=TWO)
+    picks: Counter[str] = Counter()
+    for _ in range(8):
+        decision = deciding.schedule(req(LLAMA, COMPLETIONS, {"prompt": "Hi"}))
+        load.add(lease(decision.pick.address))  # held open
+        picks[decision.pick.address] += 1
+    assert set(picks) == {e.address for e in router.route(LLAMA).endpoints}
+    assert max(picks.values()) == 2
