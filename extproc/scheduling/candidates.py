@@ -36,10 +36,7 @@ def choose(
     ``least_loaded`` given, and ``limits.random`` drawn from the pool, each once."""
     by_address = pool.by_address
     chosen: dict[EndpointAddress, Endpoint] = {}
-    holders = cached.items()
-    if len(cached) > limits.prefix_holders:
-        holders = heapq.nlargest(limits.prefix_holders, holders, key=itemgetter(1))  # type: ignore[assignment]
-    for address, _tokens in holders:
+    for address in _top_holders(cached, limits.prefix_holders, rng):
         endpoint = by_address.get(address)
         if endpoint is not None:
             chosen[address] = endpoint
@@ -50,3 +47,21 @@ def choose(
         endpoint = endpoints[rng.randrange(len(endpoints))]
         chosen.setdefault(endpoint.address, endpoint)
     return list(chosen.values())
+
+
+def _top_holders(cached: Mapping[EndpointAddress, int], k: int, rng: random.Random) -> list[EndpointAddress]:
+    """The ``k`` endpoints holding the most cached tokens; those tied at the cut drawn at random.
+
+    A prefix many endpoints hold (a system prompt) ties them all: a fixed tie-break would score the
+    same few for every request and, with the rest scored only when least loaded, send those few
+    up to twice their share (seen in the replay at 32 engines).
+    """
+    if len(cached) <= k:
+        return list(cached)
+    if k <= 0:
+        return []
+    top = heapq.nlargest(k, cached.items(), key=itemgetter(1))
+    cut = top[-1][1]
+    above = [address for address, tokens in top if tokens > cut]
+    tied = [address for address, tokens in cached.items() if tokens == cut]
+    return above + rng.sample(tied, k - len(above))
