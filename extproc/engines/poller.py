@@ -7,6 +7,10 @@ This base runs the rounds in one owned task (a failing round is logged and the n
 :meth:`wake` starts one early), owns or borrows the ``aiohttp`` session, asks endpoints through
 :meth:`get` (concurrency-bounded, time-bounded, size-bounded, every failure turned into a message),
 and rate-limits the warnings a broken endpoint would otherwise repeat every round.
+
+Plain ``http://`` GETs go over one kept-alive connection per endpoint
+(:mod:`~extproc.engines.http_get`): a fleet's scrapes are a thousand a second, and aiohttp's
+per-request machinery cost more than the pages. Other schemes use the session.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import TypeVar
 
 import aiohttp
 
+from extproc.engines.http_get import ConnectError, Disconnected, HttpGetError, KeptAliveGets, TooLarge
 from extproc.fetch import fetch_bounded
 from extproc.tasks import cancel_and_wait, sleep_or_wake
 from extproc.telemetry import LogLimiter
@@ -73,6 +78,9 @@ class EndpointPoller:
         self._semaphore = asyncio.Semaphore(MAX_CONCURRENCY)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.gets = KeptAliveGets()
+        #: url -> (host:port, path) for plain-http URLs, None for others (asked through the session).
+        self._targets: dict[str, tuple[EndpointAddress, str] | None] = {}
 
     # -- what a poller says -----------------------------------------------------------------------
 
@@ -98,6 +106,7 @@ class EndpointPoller:
     async def close(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
+        self.gets.close()
         if self._own_session and self.session is not None:
             await self.session.close()
             self.session = None
@@ -137,14 +146,22 @@ class EndpointPoller:
         try:
             async with self._semaphore:  # the timeout starts once it is our turn
                 async with asyncio.timeout(self.timeout):
-                    body = await fetch_bounded(
-                        self.session, url, accept=accept, max_bytes=max_bytes, error=error
-                    )
+                    body = await self._fetch(url, accept=accept, max_bytes=max_bytes, error=error)
             return parse(body), None
         except TimeoutError:
             return None, AskFailure(f"no answer within {self.timeout:g}s")
-        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionError) as exc:
+        except TooLarge as exc:
+            return None, AskFailure(str(exc))
+        except (
+            ConnectError,
+            Disconnected,
+            aiohttp.ClientConnectorError,
+            aiohttp.ServerDisconnectedError,
+            ConnectionError,
+        ) as exc:
             return None, AskFailure(f"{type(exc).__name__}: {exc}", unreachable=True)
+        except HttpGetError as exc:
+            return None, AskFailure(f"{type(exc).__name__}: {exc}")
         except aiohttp.ClientError as exc:
             return None, AskFailure(f"{type(exc).__name__}: {exc}")
         except (error, *parse_errors) as exc:
@@ -153,6 +170,23 @@ class EndpointPoller:
             log.exception("%s failed endpoint=%s", self.what, address)
             return None, AskFailure(f"unexpected {type(exc).__name__}: {exc}")
 
+    async def _fetch(self, url: str, *, accept: str, max_bytes: int, error: type[Exception]) -> bytes:
+        if url in self._targets:
+            target = self._targets[url]
+        else:
+            target = _plain_http(url)
+            if len(self._targets) >= 8192:
+                self._targets.clear()
+            self._targets[url] = target
+        if target is None:
+            assert self.session is not None, "start() first"
+            return await fetch_bounded(self.session, url, accept=accept, max_bytes=max_bytes, error=error)
+        host_port, path = target
+        answer = await self.gets.get(host_port, path, accept=accept, max_bytes=max_bytes)
+        if answer.status != 200:
+            raise error(f"HTTP {answer.status} from {url}")
+        return answer.body
+
     def warn_sometimes(self, address: EndpointAddress, error: AskFailure | str) -> None:
         """Log a failure, at most once per endpoint and kind of failure per :data:`LOG_INTERVAL`."""
         text = str(error)
@@ -160,5 +194,16 @@ class EndpointPoller:
             log.warning("%s failed endpoint=%s error=%s", self.what, address, text)
 
     def forget(self, address: EndpointAddress) -> None:
-        """The endpoint left: its warning history goes with it."""
+        """The endpoint left: its warning history and idle connection go with it."""
         self._log_limiter.forget(address)
+        self.gets.forget(address)
+
+
+def _plain_http(url: str) -> tuple[EndpointAddress, str] | None:
+    """(host:port, path) of an ``http://host:port/path`` URL; None for anything else."""
+    if not url.startswith("http://"):
+        return None
+    host_port, slash, rest = url[len("http://") :].partition("/")
+    if not host_port or "@" in host_port or ":" not in host_port.rsplit("]", 1)[-1]:
+        return None
+    return EndpointAddress(host_port), slash + rest if slash else "/"

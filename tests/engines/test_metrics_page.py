@@ -36,6 +36,23 @@ def test_simulator_page_with_two_dp_ranks() -> None:
     assert signals.old_names == () and signals.bad_lines == 0
 
 
+def test_a_page_reads_the_same_with_crlf_line_ends_indents_and_our_series_first_or_last() -> None:
+    """Where a line starts and ends does not depend on the page's first line, CRLF ends, or
+    blanks before a name (all legal to write, none in the engines' own pages)."""
+    page = sim_page(rank("0", 2, 1, 0.25, 100, 40), rank("1", 3, 0, 0.5, 60, 20))
+    want = parse_signals(page)
+    lines = page.decode().splitlines()
+    ours = [line for line in lines if line.startswith("vllm:num_requests_running")]
+    rest = [line for line in lines if line not in ours]
+    for variant in (
+        page.replace(b"\n", b"\r\n"),
+        "\n".join([*ours, *rest]).encode(),
+        "\n".join([*rest, *ours]).encode(),
+        "\n".join(f"  {line}" if line in ours else line for line in lines).encode(),
+    ):
+        assert parse_signals(variant) == want
+
+
 def test_idle_single_rank_reports_zeros_not_unknown() -> None:
     signals = parse_signals(sim_page(rank("0", 0, 0, 0.0, 0, 0)))
     assert (signals.running, signals.waiting, signals.kv_cache_usage) == (0, 0, 0.0)
