@@ -8,8 +8,12 @@ the pool? For each pool size:
   (``extproc.sim.sglang``) with a request in its histograms, plus filler histogram families up to
   the size of a real SGLang 0.5.23 page. Synthetic, and said so: it exercises the scraper's
   filtering and parsing at a real page's size, not SGLang's exact families;
-- **serve**: ``python -m extproc serve`` with its defaults (scrape every 1 s; no tokenizer and no
-  KV events, so prompts are matched approximately), one worker set of N endpoints;
+- **serve**: ``python -m extproc serve`` with its defaults (scrape every 1 s), one worker set of N
+  endpoints, in two modes: **approximate** (no tokenizer and no KV events: prompts are matched
+  against our own routing history) and **precise** (the real Llama 3 tokenizer, and every endpoint
+  publishing KV events: the engines' process runs one fake publisher per endpoint, vLLM's PUB and
+  replay sockets on the endpoint's own address, each announcing ``--blocks-per-engine`` blocks of
+  random tokens, and one endpoint in ten the load's chat prompt as well, so lookups find holders);
 - **idle**: serve's CPU (cores) and RSS while it only scrapes, over ``--idle-seconds``;
 - **load**: the gRPC load client (``grpc_load``) sends 64-byte chats on ``--concurrency`` streams
   for ``--seconds``: decisions/s, p50, p99.
@@ -19,36 +23,52 @@ the scrapes it answered; a pool whose engines fell behind (lag p99 over 100 ms, 
 of the expected scrapes answered while idle) is marked invalid, with the reason. Writes
 ``bench/results/fleet.{json,md}``.
 
-    python bench/fleet.py [--sizes 8 64 256 1000] [--seconds 5] [--idle-seconds 10]
+    python bench/fleet.py [--sizes 8 64 256 1000] [--modes approximate precise] [--seconds 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import multiprocessing as mp
+import random
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import grpc
+import orjson
 from grpc_load import chat_body, closed_loop, one_stream, request_messages
 from machine import machine, proc_cpu_seconds, provenance, record
 
 from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
+from extproc.openai import read_request
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from extproc.settings import TokenizerSpec
+from extproc.sim.kv_events import BlockStored, KVEvent
+from extproc.tokenize.registry import TokenizerRegistry
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 from ports import free_port  # noqa: E402
 from stack import wait_http  # noqa: E402
 
+sys.path.insert(0, str(HERE.parent / "scripts"))
+from fetch_tokenizers import ensure  # noqa: E402
+
 MODEL = "fleet-model"
 SIZES = (8, 64, 256, 1000)
+MODES = ("approximate", "precise")
+#: Precise mode: one endpoint in this many also holds the load's chat prompt.
+HOLDER_EVERY = 10
+BLOCK_SIZE = 16
 #: A real SGLang 0.5.23 page, as its own collectors render it, is about this long.
 PAGE_BYTES = 28_000
 #: Engines whose loop lags more than this (p99) answered scrapes late: the pool's run is invalid.
@@ -88,10 +108,40 @@ def engine_page(model: str, size: int = PAGE_BYTES) -> bytes:
     return page + generate_latest(filler)
 
 
-def engines_main(endpoints: list[str], page: bytes, conn: Connection) -> None:
-    """Child process: answer /metrics on every endpoint until told to stop; report what it saw."""
+@dataclass(frozen=True)
+class KvPlan:
+    """What the engines' fake KV-event publishers announce (precise mode)."""
+
+    #: Every endpoint publishes on this port (and replays on the next) of its own address.
+    port: int
+    #: The load's chat prompt, as the router tokenizes it: whole blocks of it are announced.
+    prompt_ids: tuple[int, ...]
+    blocks_per_engine: int
+
+
+def kv_events(endpoint: str, number: int, plan: KvPlan) -> list[KVEvent]:
+    """An engine's announcements: random blocks, and the chat prompt's for one endpoint in ten."""
+    rng = random.Random(endpoint)
+    digest = lambda i: hashlib.blake2b(f"{endpoint}/{i}".encode(), digest_size=16).digest()  # noqa: E731
+    tokens = tuple(rng.randrange(100_000) for _ in range(plan.blocks_per_engine * BLOCK_SIZE))
+    hashes = tuple(digest(i) for i in range(plan.blocks_per_engine))
+    events: list[KVEvent] = [BlockStored(hashes, None, tokens, BLOCK_SIZE, None, None)]
+    whole = len(plan.prompt_ids) // BLOCK_SIZE
+    if number % HOLDER_EVERY == 0 and whole:
+        prompt = tuple(digest(f"prompt/{i}") for i in range(whole))
+        events.append(
+            BlockStored(prompt, None, plan.prompt_ids[: whole * BLOCK_SIZE], BLOCK_SIZE, None, None)
+        )
+    return events
+
+
+def engines_main(endpoints: list[str], page: bytes, conn: Connection, kv: KvPlan | None = None) -> None:
+    """Child process: answer /metrics on every endpoint (and publish KV events from it, given
+    ``kv``) until told to stop; report what it saw."""
     import uvloop
     from aiohttp import web
+
+    from extproc.sim.kv_publisher import KVEventPublisher
 
     async def run() -> dict[str, Any]:
         served = 0
@@ -108,6 +158,14 @@ def engines_main(endpoints: list[str], page: bytes, conn: Connection) -> None:
         for endpoint in endpoints:
             host, _, port = endpoint.rpartition(":")
             await web.TCPSite(runner, host, int(port), backlog=1024).start()
+        publishers: list[KVEventPublisher] = []
+        for number, endpoint in enumerate(endpoints if kv is not None else ()):
+            assert kv is not None
+            host = endpoint.rpartition(":")[0]
+            publisher = KVEventPublisher(host=host, port=kv.port, replay_port=kv.port + 1)
+            await publisher.start()
+            publisher.publish(kv_events(endpoint, number, kv), ts=time.time())
+            publishers.append(publisher)
         lags: list[float] = []
 
         async def heartbeat() -> None:
@@ -129,10 +187,48 @@ def engines_main(endpoints: list[str], page: bytes, conn: Connection) -> None:
             lags.clear()
             conn.send(marks[command])
         beat.cancel()
+        for publisher in publishers:
+            await publisher.close()
         await runner.cleanup()
         return marks
 
     conn.send(uvloop.run(run()))
+
+
+async def wait_index(admin_port: int, blocks: int, within: float = 120.0) -> int:
+    """Blocks serve's KV-event index holds (``extproc_kv_index_blocks`` summed), once it holds
+    ``blocks`` or ``within`` seconds have passed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def held() -> int:
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+        return int(
+            sum(
+                sample.value
+                for family in text_string_to_metric_families(text)
+                if family.name == "extproc_kv_index_blocks"
+                for sample in family.samples
+            )
+        )
+
+    deadline = time.monotonic() + within
+    count = await asyncio.to_thread(held)
+    while count < blocks and time.monotonic() < deadline:
+        await asyncio.sleep(1.0)
+        count = await asyncio.to_thread(held)
+    return count
+
+
+def prompt_ids() -> tuple[int, ...]:
+    """The load's chat prompt as serve tokenizes it with the Llama 3 tokenizer (precise mode)."""
+    tokenizer = TokenizerRegistry.load([TokenizerSpec(MODEL, str(ensure("llama3")))]).get(MODEL)
+    assert tokenizer is not None
+    prompt = read_request("/v1/chat/completions", orjson.loads(chat_body(MODEL))).read_prompt()
+    assert prompt is not None
+    ids = tokenizer.prompt_ids(prompt)
+    assert ids is not None, "the Llama 3 tokenizer has a chat template"
+    return tuple(ids)
 
 
 def _p99(values: list[float]) -> float:
@@ -149,14 +245,21 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-async def one_pool(size: int, args: argparse.Namespace, tmp: Path, page: bytes) -> dict[str, Any]:
+async def one_pool(
+    size: int, mode: str, args: argparse.Namespace, tmp: Path, page: bytes, prompt_ids: tuple[int, ...]
+) -> dict[str, Any]:
     """Engines, serve, idle measure, load measure, for one pool of ``size`` endpoints."""
     endpoints = addresses(size, free_port())
-    catalog = tmp / f"catalog-{size}.yaml"
-    catalog.write_text(catalog_yaml([LocalWorkerSet("fleet", MODEL, endpoints)]))
+    kv = KvPlan(free_port(), prompt_ids, args.blocks_per_engine) if mode == "precise" else None
+    kv_ports = {e: (kv.port, kv.port + 1) for e in endpoints} if kv is not None else {}
+    catalog = tmp / f"catalog-{size}-{mode}.yaml"
+    catalog.write_text(
+        catalog_yaml([LocalWorkerSet("fleet", MODEL, endpoints, kv_block_size=BLOCK_SIZE, kv_ports=kv_ports)])
+    )
+    tokenizer = ["--tokenizer", f"{MODEL}={ensure('llama3')}"] if mode == "precise" else []
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    engines = ctx.Process(target=engines_main, args=(endpoints, page, child), daemon=True)
+    engines = ctx.Process(target=engines_main, args=(endpoints, page, child, kv), daemon=True)
     engines.start()
     serve: asyncio.subprocess.Process | None = None
     try:
@@ -165,11 +268,12 @@ async def one_pool(size: int, args: argparse.Namespace, tmp: Path, page: bytes) 
         serve = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "extproc", "--log-level", "error", "serve",
             "--source", f"file:{catalog}", "--listen", f"127.0.0.1:{grpc_port}",
-            "--admin-listen", f"127.0.0.1:{admin_port}", "--seed", "1",
+            "--admin-listen", f"127.0.0.1:{admin_port}", "--seed", "1", *tokenizer,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         await wait_http(f"http://127.0.0.1:{admin_port}/readyz", within=60.0)
         await asyncio.sleep(args.settle_seconds)  # every endpoint scraped at least once
+        index_blocks = await wait_index(admin_port, size * args.blocks_per_engine if kv else 0)
 
         def mark(name: str) -> dict[str, Any]:
             parent.send(name)
@@ -205,8 +309,14 @@ async def one_pool(size: int, args: argparse.Namespace, tmp: Path, page: bytes) 
             problems.append(f"only {scrapes} of ~{expected:.0f} expected scrapes answered while idle")
         if load["errors"]:
             problems.append(f"{load['errors']} streams failed: {load['first_error']}")
+        if kv is not None and index_blocks < size * args.blocks_per_engine:
+            problems.append(
+                f"the index held {index_blocks} blocks, not the {size * args.blocks_per_engine} announced"
+            )
         return {
             "endpoints": size,
+            "mode": mode,
+            "index_blocks": index_blocks,
             "idle": {
                 "seconds": round(idle_s, 2),
                 "serve_cpu": round(idle_cpu, 3),
@@ -239,57 +349,73 @@ async def one_pool(size: int, args: argparse.Namespace, tmp: Path, page: bytes) 
 
 
 def report(results: dict[str, Any]) -> str:
-    rows = results["pools"]
-    first = rows[0]
     lines = [
         "# Fleet scale: one serve, pools of 8 to 1,000 endpoints",
         "",
         f"{provenance(results['machine'])}. One worker set of N endpoints on N loopback addresses, "
         f"each answering `/metrics` with a {results['page_bytes'] / 1000:.0f} kB SGLang-style page "
         "(synthetic: the simulator's SGLang series plus filler histograms to a real page's size), all "
-        "from one engines process; `serve` with its defaults (scrape every 1 s, approximate routing); "
-        f"the gRPC load client sends 64-byte chats on {results['concurrency']} streams for "
-        f"{results['seconds']:g} s; idle measured over {results['idle_seconds']:g} s.",
-        "",
-        "| endpoints | decisions/s | p50 ms | p99 ms | serve CPU under load | serve CPU idle (scraping) "
-        "| scrapes/s | RSS MB idle | valid |",
-        "|--:|--:|--:|--:|--:|--:|--:|--:|---|",
+        "from one engines process; `serve` with its defaults (scrape every 1 s); the gRPC load client "
+        f"sends 64-byte chats on {results['concurrency']} streams for {results['seconds']:g} s; idle "
+        f"measured over {results['idle_seconds']:g} s. *approximate*: no tokenizer, no KV events. "
+        "*precise*: the Llama 3 tokenizer, and one fake vLLM KV-event publisher per endpoint (PUB and "
+        f"replay on its own address), each announcing {results['blocks_per_engine']:,} blocks of "
+        f"random tokens, one endpoint in {HOLDER_EVERY} the chat prompt's blocks too.",
     ]
-    for row in rows:
-        idle, load = row["idle"], row["load"]
-        valid = "yes" if row["valid"] else "**no**: " + "; ".join(row["problems"])
-        lines.append(
-            f"| {row['endpoints']:,} | {load['decisions_per_s']:,.0f} | {load['p50_ms']} | {load['p99_ms']} "
-            f"| {load['serve_cpu']} | {idle['serve_cpu']} | {idle['scrapes_per_s']:,.0f} "
-            f"| {idle['serve_rss_mb']} | {valid} |"
-        )
-    last = rows[-1]
-    lines += [
-        "",
-        f"At {last['endpoints']:,} endpoints against {first['endpoints']}: decisions/s "
-        f"{last['load']['decisions_per_s'] / max(first['load']['decisions_per_s'], 1e-9):.2f}x, "
-        f"p99 {last['load']['p99_ms'] / max(first['load']['p99_ms'], 1e-9):.1f}x "
-        "(issue 40's targets: at least 0.7x and at most 2x; idle scraping at most 0.2 cores; RSS at most "
-        "150 MB).",
-    ]
+    for mode in results["modes"]:
+        rows = [row for row in results["pools"] if row.get("mode", "approximate") == mode]
+        if not rows:
+            continue
+        lines += [
+            "",
+            f"**{mode}**",
+            "",
+            "| endpoints | decisions/s | p50 ms | p99 ms | serve CPU under load | serve CPU idle "
+            "| scrapes/s | RSS MB idle | index blocks | valid |",
+            "|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|",
+        ]
+        for row in rows:
+            idle, load = row["idle"], row["load"]
+            valid = "yes" if row["valid"] else "**no**: " + "; ".join(row["problems"])
+            lines.append(
+                f"| {row['endpoints']:,} | {load['decisions_per_s']:,.0f} | {load['p50_ms']} "
+                f"| {load['p99_ms']} | {load['serve_cpu']} | {idle['serve_cpu']} "
+                f"| {idle['scrapes_per_s']:,.0f} | {idle['serve_rss_mb']} | {row.get('index_blocks', 0):,} "
+                f"| {valid} |"
+            )
+        first, last = rows[0], rows[-1]
+        lines += [
+            "",
+            f"At {last['endpoints']:,} endpoints against {first['endpoints']}: decisions/s "
+            f"{last['load']['decisions_per_s'] / max(first['load']['decisions_per_s'], 1e-9):.2f}x, "
+            f"p99 {last['load']['p99_ms'] / max(first['load']['p99_ms'], 1e-9):.1f}x "
+            "(issue 40's targets, for the defaults: at least 0.7x and at most 2x; idle scraping at "
+            "most 0.2 cores; RSS at most 150 MB).",
+        ]
     return "\n".join(lines) + "\n"
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     page = engine_page(MODEL)
+    ids = prompt_ids() if "precise" in args.modes else ()
     pools = []
     with tempfile.TemporaryDirectory() as tmp:
-        for size in args.sizes:
-            pool = await one_pool(size, args, Path(tmp), page)
-            load, idle = pool["load"], pool["idle"]
-            print(f"{size} endpoints: {load['decisions_per_s']:.0f}/s, idle CPU {idle['serve_cpu']}")
-            pools.append(pool)
+        for mode in args.modes:
+            for size in args.sizes:
+                pool = await one_pool(size, mode, args, Path(tmp), page, ids)
+                load, idle = pool["load"], pool["idle"]
+                print(
+                    f"{mode}, {size} endpoints: {load['decisions_per_s']:.0f}/s, idle CPU {idle['serve_cpu']}"
+                )
+                pools.append(pool)
     return {
         "machine": machine(),
         "page_bytes": len(page),
         "concurrency": args.concurrency,
         "seconds": args.seconds,
         "idle_seconds": args.idle_seconds,
+        "modes": args.modes,
+        "blocks_per_engine": args.blocks_per_engine,
         "pools": pools,
         "median_decisions_per_s": statistics.median(p["load"]["decisions_per_s"] for p in pools),
     }
@@ -298,6 +424,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument(
+        "--blocks-per-engine",
+        type=int,
+        default=200,
+        help="precise mode: blocks each fake publisher announces",
+    )
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each load measure")
     parser.add_argument("--idle-seconds", type=float, default=10.0, help="length of each idle measure")
     parser.add_argument(

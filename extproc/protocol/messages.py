@@ -6,7 +6,7 @@ and the wire details are tested once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from google.protobuf import struct_pb2
@@ -105,13 +105,18 @@ def subset_hint(request: ep.ProcessingRequest) -> frozenset[str] | None:
     return frozenset(e.strip() for e in entries if e.strip())
 
 
-def _destination_mutation(destination: str, extra: dict[str, str]) -> ep.HeaderMutation:
-    mutation = ep.HeaderMutation()
-    for key, value in ((DESTINATION_HEADER, destination), *extra.items()):
+def _set_headers(mutation: ep.HeaderMutation, headers: Iterable[tuple[str, str]]) -> None:
+    """Set (overwrite) each header in ``mutation``."""
+    for key, value in headers:
         option = mutation.set_headers.add()
         option.header.key = key
         option.header.raw_value = value.encode()
         option.append_action = _OVERWRITE
+
+
+def _destination_mutation(destination: str, extra: dict[str, str]) -> ep.HeaderMutation:
+    mutation = ep.HeaderMutation()
+    _set_headers(mutation, ((DESTINATION_HEADER, destination), *extra.items()))
     return mutation
 
 
@@ -146,12 +151,7 @@ def routed_body_response(
 def response_headers_response(headers: dict[str, str]) -> ep.ProcessingResponse:
     """Answer ``response_headers`` by adding ``headers`` to what the client receives."""
     response = ep.ProcessingResponse()
-    mutation = response.response_headers.response.header_mutation
-    for key, value in headers.items():
-        option = mutation.set_headers.add()
-        option.header.key = key
-        option.header.raw_value = value.encode()
-        option.append_action = _OVERWRITE
+    _set_headers(response.response_headers.response.header_mutation, headers.items())
     return response
 
 

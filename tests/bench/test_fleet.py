@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from fleet import PAGE_BYTES, addresses, engine_page
+from fleet import PAGE_BYTES, KvPlan, addresses, engine_page, kv_events
 
 from extproc.engines.metrics_page import parse_signals
 
@@ -26,3 +26,15 @@ def test_a_thousand_endpoints_get_a_thousand_loopback_addresses() -> None:
     pool = addresses(1000, 8000)
     assert len(set(pool)) == 1000
     assert all(a.startswith("127.0.") and a.endswith(":8000") for a in pool)
+
+
+def test_precise_mode_announces_the_chat_prompt_on_one_endpoint_in_ten() -> None:
+    """The fake publishers' events are valid KV events: every endpoint its random blocks, one in
+    ten the load's prompt blocks too, so serve's lookups find holders."""
+    plan = KvPlan(port=9000, prompt_ids=tuple(range(40)), blocks_per_engine=3)
+    holder = kv_events("127.0.0.1:8000", 0, plan)
+    other = kv_events("127.0.0.2:8000", 1, plan)
+    assert [len(e.block_hashes) for e in holder] == [3, 2] and [len(e.block_hashes) for e in other] == [3]
+    assert holder[1].token_ids == tuple(range(32))
+    assert all(len(e.token_ids) == len(e.block_hashes) * e.block_size for e in holder + other)
+    assert holder[0].block_hashes != other[0].block_hashes
