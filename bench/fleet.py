@@ -141,6 +141,9 @@ def engines_main(endpoints: list[str], page: bytes, conn: Connection, kv: KvPlan
     import uvloop
     from aiohttp import web
 
+    import zmq
+    import zmq.asyncio
+
     from extproc.sim.kv_publisher import KVEventPublisher
 
     async def run() -> dict[str, Any]:
@@ -159,10 +162,12 @@ def engines_main(endpoints: list[str], page: bytes, conn: Connection, kv: KvPlan
             host, _, port = endpoint.rpartition(":")
             await web.TCPSite(runner, host, int(port), backlog=1024).start()
         publishers: list[KVEventPublisher] = []
+        context = zmq.asyncio.Context()
+        context.set(zmq.MAX_SOCKETS, 65_536)  # two sockets an endpoint; libzmq's default cap is 1,023
         for number, endpoint in enumerate(endpoints if kv is not None else ()):
             assert kv is not None
             host = endpoint.rpartition(":")[0]
-            publisher = KVEventPublisher(host=host, port=kv.port, replay_port=kv.port + 1)
+            publisher = KVEventPublisher(host=host, port=kv.port, replay_port=kv.port + 1, context=context)
             await publisher.start()
             publisher.publish(kv_events(endpoint, number, kv), ts=time.time())
             publishers.append(publisher)
@@ -189,6 +194,7 @@ def engines_main(endpoints: list[str], page: bytes, conn: Connection, kv: KvPlan
         beat.cancel()
         for publisher in publishers:
             await publisher.close()
+        context.destroy(linger=0)
         await runner.cleanup()
         return marks
 

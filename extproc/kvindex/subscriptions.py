@@ -91,7 +91,11 @@ class KVSubscriptions:
         self._sink = sink
         self._options = options
         self._clock = clock
-        self._ctx = context
+        #: Our own context unless one is given: libzmq's default cap of 1,023 sockets a context
+        #: (each subscriber holds 2-3: SUB, its monitor, a replay DEALER) stopped a pool of ~400
+        #: endpoints from subscribing at all ("Too many open files").
+        self._own_ctx = context is None
+        self._ctx = context if context is not None else _large_context()
         self._running: dict[Source, tuple[SubscriptionTarget, KVEventSubscriber]] = {}
         self._lock = asyncio.Lock()  # syncs run one at a time, so a source never has two writers
         self._closed = False
@@ -124,6 +128,8 @@ class KVSubscriptions:
             self._closed = True
             running, self._running = self._running, {}
             await asyncio.gather(*(sub.close() for _, sub in running.values()))
+            if self._own_ctx:
+                self._ctx.destroy(linger=0)
 
     def resync(self, endpoint: str, reason: str) -> list[Source]:
         """Forget what ``endpoint``'s sources published: the sink is reset now, and each subscriber
@@ -178,3 +184,14 @@ class KVSubscriptions:
                 self._sink.on_reset(source, reason)
             except Exception:
                 log.exception("kv sink failed method=on_reset source=%s", source)
+
+
+#: Sockets one context may hold: subscribers for a fleet of thousands of endpoints (each socket
+#: also needs a file descriptor or two, within the process's limit).
+MAX_SOCKETS = 65_536
+
+
+def _large_context() -> zmq.asyncio.Context:
+    context = zmq.asyncio.Context()
+    context.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
+    return context

@@ -495,6 +495,23 @@ async def test_resync_resets_the_endpoint_now_and_reads_it_again_from_seq_0(
         await subs.close()
 
 
+async def test_subscriptions_follow_a_fleet_past_libzmqs_default_socket_cap() -> None:
+    """A thousand sources (two or three sockets each) all subscribe: libzmq's default cap of
+    1,023 sockets a context stopped ~400 endpoints short of that."""
+    subs = KVSubscriptions(RecordingSink(), options=FAST)
+    sources = {
+        Source(EndpointAddress(f"127.0.{i // 250}.{i % 250 + 1}:8000"), 0): SubscriptionTarget(
+            f"tcp://127.0.{i // 250}.{i % 250 + 1}:1"
+        )
+        for i in range(1000)
+    }
+    try:
+        await subs.sync(sources)
+        assert len(subs.stats()) == 1000
+    finally:
+        await subs.close()
+
+
 async def test_subscriptions_skip_a_target_that_cannot_connect() -> None:
     """A malformed address is logged and left out (tried again on the next sync), not raised."""
     subs = KVSubscriptions(RecordingSink(), options=FAST)
