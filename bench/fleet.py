@@ -13,7 +13,8 @@ the pool? For each pool size:
   against our own routing history) and **precise** (the real Llama 3 tokenizer, and every endpoint
   publishing KV events: the engines' process runs one fake publisher per endpoint, vLLM's PUB and
   replay sockets on the endpoint's own address, each announcing ``--blocks-per-engine`` blocks of
-  random tokens, and one endpoint in ten the load's chat prompt as well, so lookups find holders);
+  random tokens, and one endpoint in ten the load's chat prompt as well, so lookups find holders;
+  then each stores and evicts one block a second, as a live engine's stream never stops);
 - **idle**: serve's CPU (cores) and RSS while it only scrapes, over ``--idle-seconds``;
 - **load**: the gRPC load client (``grpc_load``) sends 64-byte chats on ``--concurrency`` streams
   for ``--seconds``: decisions/s, p50, p99.
@@ -52,7 +53,7 @@ from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
 from extproc.openai import read_request
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.settings import TokenizerSpec
-from extproc.sim.kv_events import BlockStored, KVEvent
+from extproc.sim.kv_events import BlockRemoved, BlockStored, KVEvent
 from extproc.tokenize.registry import TokenizerRegistry
 
 HERE = Path(__file__).resolve().parent
@@ -139,10 +140,9 @@ def engines_main(endpoints: list[str], page: bytes, conn: Connection, kv: KvPlan
     """Child process: answer /metrics on every endpoint (and publish KV events from it, given
     ``kv``) until told to stop; report what it saw."""
     import uvloop
-    from aiohttp import web
-
     import zmq
     import zmq.asyncio
+    from aiohttp import web
 
     from extproc.sim.kv_publisher import KVEventPublisher
 
@@ -179,7 +179,22 @@ def engines_main(endpoints: list[str], page: bytes, conn: Connection, kv: KvPlan
                 await asyncio.sleep(0.05)
                 lags.append(max(0.0, time.monotonic() - due))
 
+        async def churn() -> None:
+            """Each engine stores and evicts one fresh block a second, spread over the second: a
+            subscriber joins (replaying what was announced before it came) at the next message."""
+            tick = 0
+            while publishers:
+                tick += 1
+                for group in range(10):
+                    await asyncio.sleep(0.1)
+                    for number in range(group, len(publishers), 10):
+                        digest = hashlib.blake2b(f"{number}/churn/{tick}".encode(), digest_size=16).digest()
+                        tokens = tuple(range(tick, tick + BLOCK_SIZE))
+                        stored = BlockStored((digest,), None, tokens, BLOCK_SIZE, None, None)
+                        publishers[number].publish([stored, BlockRemoved((digest,))], ts=time.time())
+
         beat = asyncio.create_task(heartbeat())
+        churning = asyncio.create_task(churn())
         loop = asyncio.get_running_loop()
         conn.send("ready")
         marks: dict[str, Any] = {}
@@ -192,6 +207,7 @@ def engines_main(endpoints: list[str], page: bytes, conn: Connection, kv: KvPlan
             lags.clear()
             conn.send(marks[command])
         beat.cancel()
+        churning.cancel()
         for publisher in publishers:
             await publisher.close()
         context.destroy(linger=0)
