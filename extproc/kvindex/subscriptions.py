@@ -91,11 +91,11 @@ class KVSubscriptions:
         self._sink = sink
         self._options = options
         self._clock = clock
-        #: Our own context unless one is given: libzmq's default cap of 1,023 sockets a context
-        #: (each subscriber holds 2-3: SUB, its monitor, a replay DEALER) stopped a pool of ~400
-        #: endpoints from subscribing at all ("Too many open files").
-        self._own_ctx = context is None
-        self._ctx = context if context is not None else _large_context()
+        #: Our own context (made with the first subscriber) unless one is given: libzmq's default
+        #: cap of 1,023 sockets a context (each subscriber holds 2-3: SUB, its monitor, a replay
+        #: DEALER) stopped a pool of ~400 endpoints from subscribing at all ("Too many open files").
+        self._ctx = context
+        self._own_ctx: zmq.asyncio.Context | None = None
         self._running: dict[Source, tuple[SubscriptionTarget, KVEventSubscriber]] = {}
         self._lock = asyncio.Lock()  # syncs run one at a time, so a source never has two writers
         self._closed = False
@@ -128,8 +128,9 @@ class KVSubscriptions:
             self._closed = True
             running, self._running = self._running, {}
             await asyncio.gather(*(sub.close() for _, sub in running.values()))
-            if self._own_ctx:
-                self._ctx.destroy(linger=0)
+            if self._own_ctx is not None:
+                self._own_ctx.destroy(linger=0)
+                self._ctx = self._own_ctx = None
 
     def resync(self, endpoint: str, reason: str) -> list[Source]:
         """Forget what ``endpoint``'s sources published: the sink is reset now, and each subscriber
@@ -154,6 +155,8 @@ class KVSubscriptions:
 
     def _start(self, source: Source, target: SubscriptionTarget) -> bool:
         """Start one subscriber; a bad address is logged and retried on the next ``sync``."""
+        if self._ctx is None:
+            self._ctx = self._own_ctx = _large_context()
         sub = KVEventSubscriber(
             source=source,
             pub_address=target.pub_address,
