@@ -8,6 +8,9 @@ holding the longest prefix of the prompt (a cache hit saves the most), and the l
 and a new one gets tried. :func:`choose` unites the three; a pool no larger than their sum is
 scored whole, exactly as before.
 
+Shedding follows: a request is refused (429) when every scored endpoint is saturated, and the
+least loaded are among them, so a pool sheds only when its least-loaded endpoints are full.
+
 ``bench/replay`` runs the bounded set against scoring every endpoint, side by side
 (``bench/results/candidates.md``).
 """
