@@ -69,6 +69,8 @@ class _Connection(asyncio.Protocol):
         self._framed = False
         self.reusable = False
         self.closed = False
+        #: Bytes of an answer to the current GET arrived (a disconnect after that is not a race).
+        self.answered = False
 
     # -- asyncio.Protocol --------------------------------------------------------------------------
 
@@ -80,6 +82,7 @@ class _Connection(asyncio.Protocol):
         if self._answer is None or self._answer.done():
             self.close()  # bytes nobody asked for: the connection's framing cannot be trusted
             return
+        self.answered = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -132,7 +135,7 @@ class _Connection(asyncio.Protocol):
         self._answer = asyncio.get_running_loop().create_future()
         self._chunks, self._size, self._max_bytes, self._status = [], 0, max_bytes, 0
         self._framed = False
-        self.reusable = False
+        self.reusable = self.answered = False
         self.transport.write(request)
         return self._answer
 
@@ -162,15 +165,31 @@ class KeptAliveGets:
     async def get(self, address: EndpointAddress, path: str, *, accept: str, max_bytes: int) -> Answer:
         """GET ``path`` from ``address`` (``host:port``); raises :class:`HttpGetError` subclasses.
 
-        Cancelling it (the caller's timeout) closes the connection: its answer may still come."""
+        A kept connection the server closed just as the GET went out (its keep-alive timeout
+        crossing our interval) is not the engine going away: the GET is sent once more on a new
+        connection. Cancelling it (the caller's timeout) closes the connection: its answer may
+        still come."""
+        request = self._request(address, path, accept)
         connection = self._idle.pop(address, None)
-        if connection is None or connection.closed:
-            connection = await self._connect(address)
+        if connection is not None and not connection.closed:
+            try:
+                return self._done(address, connection, await connection.get(request, max_bytes))
+            except Disconnected:
+                if connection.answered:
+                    raise
+            except BaseException:
+                connection.close()
+                raise
+        connection = await self._connect(address)
         try:
-            answer = await connection.get(self._request(address, path, accept), max_bytes)
+            answer = await connection.get(request, max_bytes)
         except BaseException:
             connection.close()
             raise
+        return self._done(address, connection, answer)
+
+    def _done(self, address: EndpointAddress, connection: _Connection, answer: Answer) -> Answer:
+        """Keep the connection for the next GET when the server allows it."""
         if connection.reusable and address not in self._idle:
             self._idle[address] = connection
         else:

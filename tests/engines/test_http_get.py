@@ -114,6 +114,27 @@ async def test_a_body_over_the_bound_is_refused_and_the_connection_dropped(
     assert server.connections == 2
 
 
+async def test_a_kept_connection_the_server_closed_as_the_get_went_out_is_tried_again(
+    gets: KeptAliveGets,
+) -> None:
+    """A keep-alive timeout crossing our interval is not the engine going away: the GET goes out
+    once more, on a new connection."""
+    async with RawServer(lambda n: None if n == 2 else sized(f"answer {n}".encode())) as server:
+        first = await gets.get(server.address, "/", accept="*/*", max_bytes=100)
+        second = await gets.get(server.address, "/", accept="*/*", max_bytes=100)
+    assert (first.body, second.body) == (b"answer 1", b"answer 3")
+    assert server.connections == 2
+
+
+async def test_a_kept_connection_cut_midway_through_an_answer_is_not_tried_again(gets: KeptAliveGets) -> None:
+    cut = b"HTTP/1.1 200 OK\r\nContent-Length: 50\r\nConnection: close\r\n\r\npart"
+    async with RawServer(lambda n: cut if n == 2 else sized(b"whole")) as server:
+        await gets.get(server.address, "/", accept="*/*", max_bytes=100)
+        with pytest.raises(Disconnected):
+            await gets.get(server.address, "/", accept="*/*", max_bytes=100)
+    assert len(server.requests) == 2
+
+
 async def test_a_server_hanging_up_before_answering_is_a_disconnect(gets: KeptAliveGets) -> None:
     async with RawServer(lambda _n: None) as server:
         with pytest.raises(Disconnected):
