@@ -1,11 +1,12 @@
 """KV index benchmark: event ingest (decode + apply), lookup latency, memory per (block, endpoint).
 
-    python bench/kvindex.py [--quick] [--out bench/results/kvindex.json]
+    python bench/kvindex.py [--quick] [--fleet] [--out bench/results/kvindex.json]
 
 Everything runs in this process on one core (memory cases in a child process each, for a clean
-RSS); nothing touches the network. Targets (the issue): ingest >= 500k blocks/s, lookup p50 <=
-100 µs for 8k-token prompts x 64 endpoints, <= 64 bytes per (block, endpoint) entry. Writes JSON
-and a markdown summary next to it.
+RSS); nothing touches the network. Targets (issue 40): ingest >= 500k blocks/s, lookup p50 <=
+100 µs for 8k-token prompts x 64 endpoints, <= 40 bytes per (block, endpoint) entry, and the
+fleet case (``--fleet``: 1,000 endpoints x 50,000 blocks) in <= 2.5 GB. Writes JSON and a
+markdown summary next to it.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from extproc.types import EndpointAddress
 
 BLOCK = 16
 MODEL = "bench-model"
-TARGETS = {"ingest_blocks_per_s": 500_000, "lookup_p50_us_8k_x64": 100.0, "bytes_per_entry": 64.0}
+TARGETS = {"ingest_blocks_per_s": 500_000, "lookup_p50_us_8k_x64": 100.0, "bytes_per_entry": 40.0}
 HERE = Path(__file__).resolve().parent
 
 
@@ -348,19 +349,24 @@ MEMORY_CASES = {
     "shared_by_all_8": "125k distinct blocks, each on all 8 endpoints (same tokens, same engine hashes)",
     "shared_by_2_to_4": "~333k distinct blocks, each on 2-4 of 8 endpoints (mean 3)",
 }
+#: Issue 40's fleet case (``--fleet``, RSS only: ~1 minute a million blocks per 4 GB): 1,000
+#: endpoints x 50,000 distinct blocks each, in at most 2.5 GB.
+FLEET_CASE = "fleet_1000_x_50000"
+FLEET_ENDPOINTS, FLEET_BLOCKS = 1000, 50_000
+FLEET_TARGET_BYTES = 2.5e9
 
 
 def build_memory_case(name: str, entries: int) -> PrefixIndex:
     """Fill an index with ``entries`` (block, endpoint) pairs through apply(), 32-block documents."""
     rng = random.Random(name)
-    members = sources(8)
+    members = sources(FLEET_ENDPOINTS if name == FLEET_CASE else 8)
     index = new_index(members)
     made = 0
     while made < entries:
         tokens = [rng.randrange(128_000) for _ in range(32 * BLOCK)]
         hashes = [rng.getrandbits(64) for _ in range(32)]
-        if name == "one_endpoint_per_block":
-            holders = [members[(made // 32) % 8]]
+        if name in ("one_endpoint_per_block", FLEET_CASE):
+            holders = [members[(made // 32) % len(members)]]
         elif name == "shared_by_all_8":
             holders = members
         else:
@@ -400,28 +406,31 @@ def memory_case(name: str, method: str, entries: int) -> dict[str, Any]:
     }
 
 
-def memory_cases(quick: bool) -> list[dict[str, Any]]:
+def memory_cases(quick: bool, fleet: bool = False) -> list[dict[str, Any]]:
     """Each case in a fresh child process, so one case's freed memory cannot hide the next one's."""
     entries = 200_000 if quick else 1_000_000
     results = []
-    for name in MEMORY_CASES:
-        for method in ("tracemalloc", "rss"):
-            out = subprocess.run(
-                [
-                    sys.executable,
-                    __file__,
-                    "--memory-case",
-                    name,
-                    "--memory-method",
-                    method,
-                    "--entries",
-                    str(entries),
-                ],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-            results.append(json.loads(out) | {"description": MEMORY_CASES[name]})
+    runs = [(name, method, entries) for name in MEMORY_CASES for method in ("tracemalloc", "rss")]
+    if fleet:
+        runs.append((FLEET_CASE, "rss", FLEET_ENDPOINTS * FLEET_BLOCKS))
+    for name, method, count in runs:
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--memory-case",
+                name,
+                "--memory-method",
+                method,
+                "--entries",
+                str(count),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        description = MEMORY_CASES.get(name, "1,000 endpoints x 50,000 distinct blocks each (issue 40)")
+        results.append(json.loads(out) | {"description": description})
     return results
 
 
@@ -431,7 +440,7 @@ def memory_cases(quick: bool) -> list[dict[str, Any]]:
 SECTIONS = ("micro", "ingest", "lookup", "memory")
 
 
-def run_all(quick: bool, sections: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
+def run_all(quick: bool, sections: tuple[str, ...] = SECTIONS, fleet: bool = False) -> dict[str, Any]:
     results: dict[str, Any] = {"machine": machine(), "quick": quick, "targets": TARGETS}
     results["machine"]["busy_cores_before"] = wait_quiet()
     started, busy_before = time.monotonic(), machine_busy_seconds()
@@ -454,7 +463,7 @@ def run_all(quick: bool, sections: tuple[str, ...] = SECTIONS) -> dict[str, Any]
             undisturbed(functools.partial(lookup_case, t, n, quick, background)) for t, n in grid
         ]
     if "memory" in sections:
-        results["memory"] = memory_cases(quick)
+        results["memory"] = memory_cases(quick, fleet)
     results["machine"]["loadavg_at_end"] = os.getloadavg()
     # This process keeps one core busy; anything above 1.0 was someone else on the machine.
     results["machine"]["busy_cores_during"] = (machine_busy_seconds() - busy_before) / (
@@ -499,11 +508,16 @@ def targets_table(results: dict[str, Any]) -> list[str]:
                 f"| {p50:.0f} µs match (+ {keys:.0f} µs keys) | {met} |"
             )
     for row in results["memory"]:
-        if row["method"] == "tracemalloc":
+        if row["method"] == "tracemalloc" or row["case"] == FLEET_CASE:
             per = row["bytes_per_entry"]
             rows.append(
-                f"| <= 64 B per (block, endpoint): {row['case']} | {per:.0f} B "
+                f"| <= 40 B per (block, endpoint): {row['case']} ({row['method']}) | {per:.0f} B "
                 f"| {verdict(per, TARGETS['bytes_per_entry'], False)} |"
+            )
+        if row["case"] == FLEET_CASE:
+            rows.append(
+                f"| {FLEET_CASE} in <= 2.5 GB | {row['bytes'] / 1e9:.2f} GB "
+                f"| {verdict(row['bytes'], FLEET_TARGET_BYTES, False)} |"
             )
     return [*rows, "", *WHY, ""]
 
@@ -600,14 +614,19 @@ def main() -> None:
     parser.add_argument(
         "--sections", default=",".join(SECTIONS), help="comma-separated subset of: %(default)s"
     )
-    parser.add_argument("--memory-case", choices=sorted(MEMORY_CASES), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--fleet",
+        action="store_true",
+        help="add issue 40's fleet memory case: 1,000 endpoints x 50,000 blocks (RSS, several GB, minutes)",
+    )
+    parser.add_argument("--memory-case", choices=sorted([*MEMORY_CASES, FLEET_CASE]), help=argparse.SUPPRESS)
     parser.add_argument("--memory-method", choices=("tracemalloc", "rss"), help=argparse.SUPPRESS)
     parser.add_argument("--entries", type=int, default=1_000_000, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_case:
         print(json.dumps(memory_case(args.memory_case, args.memory_method, args.entries)))
         return
-    results = run_all(args.quick, tuple(args.sections.split(",")))
+    results = run_all(args.quick, tuple(args.sections.split(",")), args.fleet)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(results))
