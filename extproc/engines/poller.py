@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import aiohttp
 
-from extproc.engines.http_get import ConnectError, Disconnected, HttpGetError, KeptAliveGets, TooLarge
+from extproc.engines.http_get import HttpGetError, KeptAliveGets, TooLarge
 from extproc.fetch import fetch_bounded
 from extproc.tasks import cancel_and_wait, sleep_or_wake
 from extproc.telemetry import LogLimiter
@@ -152,13 +152,8 @@ class EndpointPoller:
             return None, AskFailure(f"no answer within {self.timeout:g}s")
         except TooLarge as exc:
             return None, AskFailure(str(exc))
-        except (
-            ConnectError,
-            Disconnected,
-            aiohttp.ClientConnectorError,
-            aiohttp.ServerDisconnectedError,
-            ConnectionError,
-        ) as exc:
+        # ConnectionError covers http_get's ConnectError and Disconnected.
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionError) as exc:
             return None, AskFailure(f"{type(exc).__name__}: {exc}", unreachable=True)
         except HttpGetError as exc:
             return None, AskFailure(f"{type(exc).__name__}: {exc}")

@@ -184,11 +184,12 @@ class PrefixMatcher:
         if tokenizer is None or self.pool is None:
             return Tokenized(model, None)
         try:
+            block_sizes = self._block_sizes(catalog, route)
             if self.pool.in_processes and request.body:
-                return await self._tokenized_in_process(model, request, _block_sizes(catalog, route))
+                return await self._tokenized_in_process(model, request, block_sizes)
             started, started_cpu = time.perf_counter(), time.thread_time()
             try:
-                step = _tokenize_here(model, tokenizer, request, catalog, route)
+                step = _tokenize_here(model, tokenizer, request, block_sizes)
             finally:
                 self.counters.observe_hold(started, started_cpu)
             if isinstance(step, Tokenized):
@@ -269,6 +270,11 @@ class PrefixMatcher:
         if match.approx_keys:
             self.approx.record(match.approx_keys, endpoint)
 
+    def _block_sizes(self, catalog: Catalog | None, route: Route) -> tuple[int, ...]:
+        """The block sizes of the route's worker sets that publish KV events (none without a
+        catalog), from the route's pool: worked out once per catalog snapshot."""
+        return () if catalog is None else tuple(sorted(self._pools.get(catalog, route.endpoints).precise))
+
     def _tokenizer(self, model: str) -> ModelTokenizer | None:
         tokenizer = self.tokenizers.get(model)
         return None if tokenizer is None or model in self.blocked() else tokenizer
@@ -346,15 +352,16 @@ class PrefixMatcher:
 
 
 def _tokenize_here(
-    model: str, tokenizer: ModelTokenizer, request: InferenceRequest, catalog: Catalog | None, route: Route
+    model: str, tokenizer: ModelTokenizer, request: InferenceRequest, block_sizes: tuple[int, ...]
 ) -> Tokenized | tuple[Callable[[], Tokenized], int]:
     """What of tokenizing ``request`` runs on the loop: the result, or the call left for the pool
-    and its size (the characters it tokenizes; see :meth:`TokenizePool.run`)."""
+    and its size (the characters it tokenizes; see :meth:`TokenizePool.run`). ``block_sizes``: those
+    whose keys a worker computes too."""
     prompt = request.read_prompt()
     if prompt is None:
         return Tokenized(model, None)
     if not _renders_inline(prompt, request):
-        keyed = (namespace_seed(model, request.cache_salt), _block_sizes(catalog, route))
+        keyed = (namespace_seed(model, request.cache_salt), block_sizes)
         return (lambda: _tokenize(model, tokenizer, prompt, keyed)), len(request.body)
     plan = tokenizer.prompt_plan(prompt)
     if plan is None:
@@ -366,7 +373,7 @@ def _tokenize_here(
     # conversation's next turn is not cold again. The block keys too are computed there, remembered
     # on the segments and handed over: the decision then neither hashes a long new prompt nor
     # walks the path again on the loop.
-    keyed = (namespace_seed(model, request.cache_salt), _block_sizes(catalog, route))
+    keyed = (namespace_seed(model, request.cache_salt), block_sizes)
 
     def encode_and_key() -> Tokenized:
         path = plan.finish(plan.encode())
@@ -403,18 +410,6 @@ def _renders_inline(prompt: Prompt, request: InferenceRequest) -> bool:
         and len(prompt.messages) <= INLINE_RENDER_MESSAGES
         and len(request.body) <= INLINE_RENDER_BYTES
     )
-
-
-def _block_sizes(catalog: Catalog | None, route: Route) -> tuple[int, ...]:
-    """The block sizes of the route's worker sets that publish KV events (none without a catalog)."""
-    if catalog is None:
-        return ()
-    sizes = set()
-    for endpoint in route.endpoints:
-        ws = catalog.worker_sets.get(endpoint.worker_set)
-        if endpoint.kv_events_port is not None and ws is not None:
-            sizes.add(ws.kv_block_size)
-    return tuple(sorted(sizes))
 
 
 def keys_by_block_size(seed: int, block_sizes: tuple[int, ...], ids: Sequence[int]) -> dict[int, bytes]:
