@@ -393,8 +393,6 @@ def memory_case(name: str, method: str, entries: int) -> dict[str, Any]:
     after = tracemalloc.get_traced_memory()[0] if method == "tracemalloc" else rss_bytes()
     stats = index.stats()
     held = sum(s.gpu_blocks for s in stats.sources.values())
-    tiers = [state.gpu for state in index._states.values()]  # a bench may look inside
-    containers = sys.getsizeof(index._gpu) + sum(sys.getsizeof(t.hashes) for t in tiers)
     return {
         "case": name,
         "method": method,
@@ -402,7 +400,8 @@ def memory_case(name: str, method: str, entries: int) -> dict[str, Any]:
         "distinct_keys": stats.gpu_keys,
         "bytes": after - before,
         "bytes_per_entry": (after - before) / held,
-        "dict_tables_bytes_per_entry": containers / held,
+        "settled_blocks": stats.settled_blocks,
+        "settled_bytes_per_entry": stats.settled_bytes / held,
     }
 
 

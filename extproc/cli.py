@@ -200,10 +200,17 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     g.add_argument("--hf-cache", type=Path, default=None, help="Hugging Face hub cache for --tokenizer ids")
     g.add_argument(
+        "--kv-index-memory-mib",
+        type=int,
+        default=_PREFIX["index_memory_mib"],
+        help="memory the KV-event index may hold, MiB: its block bound at 40 bytes a block",
+    )
+    g.add_argument(
         "--kv-index-max-blocks",
         type=int,
         default=_PREFIX["index_max_blocks"],
-        help="KV-event index size in blocks, all endpoints (least recently stored out)",
+        help="KV-event index size in blocks, all endpoints, least recently stored out "
+        "(default: from --kv-index-memory-mib)",
     )
     g.add_argument(
         "--kv-index-max-blocks-per-endpoint",
@@ -293,6 +300,7 @@ def _prefix_settings(args: argparse.Namespace) -> PrefixSettings:
     return PrefixSettings(
         tokenizers=tuple(TokenizerSpec(m, path, templates.get(m)) for m, path in sorted(tokenizers.items())),
         hf_cache=args.hf_cache,
+        index_memory_mib=args.kv_index_memory_mib,
         index_max_blocks=args.kv_index_max_blocks,
         index_max_blocks_per_endpoint=args.kv_index_max_blocks_per_endpoint,
         approx_max_blocks=args.approx_prefix_max_blocks,

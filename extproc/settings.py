@@ -180,9 +180,13 @@ class PrefixSettings:
     tokenizers: tuple[TokenizerSpec, ...] = ()
     #: A Hugging Face hub cache to resolve ``--tokenizer MODEL=org/name`` in (never downloaded).
     hf_cache: Path | None = None
-    #: Blocks the KV-event index holds in total, and per endpoint (LRU beyond). Defaults: 4M / 256k,
-    #: ~250 MiB worst case at ~64 bytes a block; a Llama-3-8B H100 pod holds ~24k GPU blocks.
-    index_max_blocks: int = 4_000_000
+    #: Memory the KV-event index may hold, MiB: its block bound is this at 40 bytes a block (the
+    #: measured worst case, bench/results/kvindex.md), ~27M blocks by default: 1,000 pods' whole GPU
+    #: caches (a Llama-3-8B H100 pod holds ~24k blocks of 16 tokens).
+    index_memory_mib: int = 1024
+    #: Blocks the KV-event index holds in total (None: from ``index_memory_mib``), and per endpoint
+    #: (LRU beyond).
+    index_max_blocks: int | None = None
     index_max_blocks_per_endpoint: int = 262_144
     #: Prompt chunks remembered for approximate affinity (models without tokenizer or KV events).
     approx_max_blocks: int = 200_000
@@ -200,7 +204,8 @@ class PrefixSettings:
 
     def __post_init__(self) -> None:
         for flag, value in (
-            ("--kv-index-max-blocks", self.index_max_blocks),
+            ("--kv-index-memory-mib", self.index_memory_mib),
+            ("--kv-index-max-blocks", 1 if self.index_max_blocks is None else self.index_max_blocks),
             ("--kv-index-max-blocks-per-endpoint", self.index_max_blocks_per_endpoint),
             ("--approx-prefix-max-blocks", self.approx_max_blocks),
             ("--tokenize-queue", self.tokenize_queue),

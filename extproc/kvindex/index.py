@@ -3,30 +3,37 @@
 Pure: no sockets, no asyncio, no pods. One writer (the subscriber glue) calls :meth:`apply` per
 batch; the request path calls :meth:`match` synchronously in between, so nothing needs a lock.
 
-Layout (designed for CPython's costs: few objects per block, work per event, bit ops per lookup):
+Layout: every registered :class:`Source` owns a *slot*, a bit position (freed slots are reused
+lowest first so masks stay short). Blocks live in one of two layers, per tier class (GPU, and
+"lower" = every other medium):
 
-- every registered :class:`Source` owns a *slot*, a bit position; freed slots are reused lowest
-  first so masks stay short;
-- ``holders``: ``dict[key, int]`` per tier class (GPU, and "lower" = every other medium), the
-  int a bitmask of the slots holding the key. A key held by one source stores that source's own
-  ``1 << slot`` object, so single-holder keys cost no mask object;
-- per (source, tier) a :class:`~extproc.kvindex.tiers.Tier`: ``hashes`` maps each engine hash
-  (folded to 60 bits) to our key, or to the tuple of k keys of an engine block re-chunked into k
-  index blocks; its insertion order *is* the LRU order (a re-store moves the hash to the end).
-  Two sparse dicts hold the rare counts: ``copies`` (an engine hash stored again while held: vLLM
-  may hold two physical copies and removes them one by one) and ``aliases`` (several engine hashes
-  mapping to one key, e.g. the same tokens under different ``cache_salt`` or image hashes, which
-  our keys do not see).
+- **recent** (dicts, cheap to change, ~120 bytes a block): ``holders`` maps a key to the bitmask of
+  the slots holding it (a key held by one source stores that source's own ``1 << slot`` object);
+  per (source, tier) a :class:`~extproc.kvindex.tiers.Tier` maps each engine hash (folded to 60
+  bits) to our key, or to the tuple of k keys of an engine block re-chunked into k index blocks, its
+  insertion order the LRU order (a re-store moves the hash to the end);
+- **settled** (:mod:`extproc.kvindex.packed`, flat arrays, ~20 bytes a block plus 12 a distinct
+  key): once the blocks stored since the last settling pass ``max(hot_blocks, blocks / 32)``, every
+  recent block moves there in one round (an *epoch*). Removals of settled blocks are collected during
+  a batch and taken in one array search at its end.
 
-Invariant, per tier of a source and per key K: ``bit in holders[K]`` iff some engine hash of the
-tier maps to K, and then ``aliases[K]`` + 1 is how many such mappings there are.
+Two sparse dicts per layer hold the rare counts: ``copies`` (an engine hash stored again while held:
+vLLM may hold two physical copies and removes them one by one) and ``aliases`` (several engine hashes
+mapping to one key, e.g. the same tokens under different ``cache_salt`` or image hashes, which our
+keys do not see).
+
+Invariant, per layer of a tier of a source and per key K: the source's bit is set in that layer's
+holders for K iff some engine hash of that layer maps to K, and then the layer's ``aliases[K]`` + 1
+is how many such mappings there are. A source holds K if either layer says so. An engine hash stored
+again after it settled is a second mapping in the recent layer until the next settling finds it
+and counts it as a copy.
 
 Bounds: a source holding more than ``max_entries_per_source`` blocks (both tiers together) loses
-its least recently stored ones, lower tiers first; past ``max_entries`` in total the source holding
-the most blocks loses its oldest. Each round evicts 1/64 of the bound extra, so the front of a dict
-(where CPython leaves deleted slots until the next resize) is scanned once per 1/64 of the bound,
-not once per block. Lookups do not refresh recency: the engine's own BlockRemoved is the real
-eviction signal, these bounds are a backstop for lost removals and hostile streams.
+its least recently stored ones (settled before recent, oldest epoch first), lower tiers first; past
+``max_entries`` in total the source holding the most blocks loses its oldest. Each round evicts
+1/64 of the bound extra, so the work is done in batches, not once per block. Lookups do not refresh
+recency: the engine's own BlockRemoved is the real eviction signal, these bounds are a backstop for
+lost removals and hostile streams.
 """
 
 from __future__ import annotations
@@ -36,20 +43,49 @@ from collections.abc import Iterable, Sequence
 
 from extproc.kvindex.events import GPU_MEDIA, BlockRemoved, BlockStored, DecodedBatch, Source
 from extproc.kvindex.keys import KEY_MASK, block_keys, namespace_seed
+from extproc.kvindex.packed import PackedHolders
 from extproc.kvindex.results import ApplyResult, IndexStats, SourceStats
 from extproc.kvindex.tiers import Entry, SourceState, Tier
+from extproc.kvindex.walk import Holdings, walk
+
+#: Blocks stored before the first settling (a small index stays in dicts, the fastest layer).
+HOT_BLOCKS = 65_536
+#: Past that, a settling round once the blocks stored since the last one pass 1/32 of all blocks.
+SETTLE_FRACTION = 32
+#: Bytes a block costs at most, as measured (bench/results/kvindex.md: 23-34 settled, plus the
+#: recent layer's share): what a memory budget is divided by.
+BYTES_PER_BLOCK = 40
+#: Slots are 16 bits wide in nothing but this bound: more sources than any fleet registers at once.
+MAX_SOURCES = 65_535
+
+
+def blocks_within(memory_bytes: int) -> int:
+    """The block bound that keeps the index within ``memory_bytes``."""
+    return max(1, memory_bytes // BYTES_PER_BLOCK)
 
 
 class PrefixIndex:
     """Longest cached prefix per source, in our own block keys (:mod:`extproc.kvindex.keys`)."""
 
-    def __init__(self, *, max_entries: int, max_entries_per_source: int) -> None:
-        if max_entries < 1 or max_entries_per_source < 1:
-            raise ValueError(f"bounds must be >= 1, got {max_entries=} {max_entries_per_source=}")
+    def __init__(
+        self, *, max_entries: int, max_entries_per_source: int, hot_blocks: int = HOT_BLOCKS
+    ) -> None:
+        if min(max_entries, max_entries_per_source, hot_blocks) < 1:
+            raise ValueError(
+                f"bounds must be >= 1, got {max_entries=} {max_entries_per_source=} {hot_blocks=}"
+            )
         self._max_entries = max_entries
         self._max_per_source = max_entries_per_source
+        self._hot_blocks = hot_blocks
         self._gpu: dict[int, int] = {}
         self._lower: dict[int, int] = {}
+        self._settled_gpu = PackedHolders()
+        self._settled_lower = PackedHolders()
+        #: Tiers with removals waiting for :meth:`Tier.flush`, and their slot bits.
+        self._pending: list[tuple[Tier, int]] = []
+        self._epoch = 0
+        self._stored_since_settle = 0
+        self._settle_at = hot_blocks
         self._states: dict[Source, SourceState] = {}
         self._by_slot: list[SourceState | None] = []
         self._free_slots: list[int] = []
@@ -75,9 +111,11 @@ class PrefixIndex:
                 state.block_size, state.mismatched = block_size, None
             return
         slot = heapq.heappop(self._free_slots) if self._free_slots else len(self._by_slot)
+        if slot == MAX_SOURCES:
+            raise ValueError(f"the index holds at most {MAX_SOURCES} sources at once")
         if slot == len(self._by_slot):
             self._by_slot.append(None)
-        state = SourceState(source, slot, namespace, block_size, Tier(self._gpu))
+        state = SourceState(source, slot, namespace, block_size, Tier(self._gpu, self._settled_gpu))
         self._by_slot[slot] = state
         self._states[source] = state
         self._all_bits |= state.bit
@@ -124,15 +162,55 @@ class PrefixIndex:
             else:
                 result.cleared += 1
                 self._clear(state)
+        if self._pending:
+            self._flush(result)
+        if self._stored_since_settle >= self._settle_at:
+            self._settle()
         self._totals.add(result)
         return result
+
+    def _flush(self, result: ApplyResult) -> None:
+        """Take the batch's removals of settled blocks from the settled layer."""
+        for tier, bit in self._pending:
+            if tier.pending:
+                self._blocks -= tier.flush(bit, result)
+        self._pending = []
+
+    def _settle(self) -> None:
+        """Move every recent block to the settled layer (one epoch)."""
+        self._epoch += 1
+        for state in self._states.values():
+            for tier in state.tiers():
+                self._blocks -= tier.settle(self._epoch, state.bit)
+        layers = ((self._gpu, self._settled_gpu, False), (self._lower, self._settled_lower, True))
+        for recent, settled, lower in layers:
+            if not recent:
+                continue
+            for key, bits in settled.merge(recent):  # a key held in both layers: one more mapping
+                while bits:
+                    low = bits & -bits
+                    aliases = self._tier_at(low.bit_length() - 1, lower).settled_aliases
+                    aliases[key] = aliases.get(key, 0) + 1
+                    bits ^= low
+            recent.clear()
+        self._stored_since_settle = 0
+        self._settle_at = max(self._hot_blocks, self._blocks // SETTLE_FRACTION)
+
+    def _tier_at(self, slot: int, lower: bool) -> Tier:
+        state = self._by_slot[slot]
+        tier = None if state is None else state.lower if lower else state.gpu
+        if tier is None:  # settled holders name only registered sources' tiers
+            raise AssertionError(f"slot {slot} holds settled keys but has no tier ({lower=})")
+        return tier
 
     def _store(self, state: SourceState, event: BlockStored, result: ApplyResult) -> None:
         count = len(event.engine_hashes)
         tier = state.gpu if event.medium in GPU_MEDIA else self._lower_tier(state)
         tokens = event.token_ids
         if not tokens:
-            self._blocks += self._store_by_hash(state, tier, event, result)
+            added = self._store_by_hash(state, tier, event, result)
+            self._blocks += added
+            self._stored_since_settle += added
             return
         if count == 0 or event.block_size < 1 or len(tokens) != count * event.block_size:
             result.invalid += count
@@ -151,7 +229,7 @@ class PrefixIndex:
             keys = block_keys(tokens, state.block_size, seed)
         else:
             parent &= KEY_MASK
-            entry = state.gpu.hashes.get(parent)
+            entry = state.gpu.hashes.get(parent)  # the usual case, inline: a parent stored recently
             if entry is None:
                 entry = state.find(parent)
                 if entry is None:
@@ -159,12 +237,12 @@ class PrefixIndex:
                     return
             keys = block_keys(tokens, state.block_size, 0, entry if isinstance(entry, int) else entry[-1])
         if k == 1:
-            self._blocks += tier.insert_keys(event.engine_hashes, keys, state.bit, result)
+            added = tier.insert_keys(event.engine_hashes, keys, state.bit, result)
         else:
             chunks = [tuple(keys[i : i + k]) for i in range(0, len(keys), k)]
-            self._blocks += tier.insert(
-                [h & KEY_MASK for h in event.engine_hashes], chunks, state.bit, result
-            )
+            added = tier.insert([h & KEY_MASK for h in event.engine_hashes], chunks, state.bit, result)
+        self._blocks += added
+        self._stored_since_settle += added
 
     @staticmethod
     def _store_by_hash(state: SourceState, tier: Tier, event: BlockStored, result: ApplyResult) -> int:
@@ -184,27 +262,41 @@ class PrefixIndex:
         tier = state.gpu if event.medium in GPU_MEDIA else state.lower
         if tier is None:
             result.unknown_removals += len(event.engine_hashes)
-        else:
-            self._blocks -= tier.remove(event.engine_hashes, state.bit, result)
+            return
+        had_pending = bool(tier.pending)
+        self._blocks -= tier.remove(event.engine_hashes, state.bit, result)
+        if tier.pending and not had_pending:
+            self._pending.append((tier, state.bit))
 
     def _lower_tier(self, state: SourceState) -> Tier:
         if state.lower is None:
-            state.lower = Tier(self._lower)
+            state.lower = Tier(self._lower, self._settled_lower)
         return state.lower
 
     def _clear(self, state: SourceState) -> None:
-        """Drop every block of ``state`` on every tier."""
+        """Drop every block of ``state`` on every tier (its pending removals with them)."""
         for tier in state.tiers():
             self._blocks -= tier.clear(state.bit)
 
     # --- bounds --------------------------------------------------------------------------------
 
     def _enforce_bounds(self, state: SourceState, result: ApplyResult) -> None:
+        if self._pending:  # the counts must be exact before anything is evicted
+            self._flush(result)
+        self._absorb_copies(state)
         if state.blocks() > self._max_per_source:
             self._shrink(state, state.blocks() - self._max_per_source, self._max_per_source, result)
         while self._blocks > self._max_entries:  # the source holding the most blocks pays
             largest = max(self._states.values(), key=SourceState.blocks)
+            if self._absorb_copies(largest):
+                continue
             self._shrink(largest, self._blocks - self._max_entries, self._max_entries, result)
+
+    def _absorb_copies(self, state: SourceState) -> int:
+        """Count blocks stored again since they settled once (see :meth:`Tier.absorb_copies`)."""
+        dropped = sum(tier.absorb_copies(self._epoch + 1, state.bit) for tier in state.tiers())
+        self._blocks -= dropped
+        return dropped
 
     def _shrink(self, state: SourceState, excess: int, bound: int, result: ApplyResult) -> None:
         """Evict ``excess`` blocks plus 1/64 of ``bound`` from ``state``, oldest first, lower tiers first."""
@@ -233,7 +325,7 @@ class PrefixIndex:
 
     def has_lower_tiers(self) -> bool:
         """Some source holds blocks on an offload tier now: a lookup across tiers can differ."""
-        return bool(self._lower)
+        return bool(self._lower) or len(self._settled_lower) > 0
 
     def match(
         self, keys: Sequence[int], sources: Iterable[Source] | None = None, *, lower_tiers: bool = False
@@ -262,54 +354,28 @@ class PrefixIndex:
     def holders(self, keys: Sequence[int], *, lower_tiers: bool = False) -> dict[Source, int]:
         """The sources holding at least the first of ``keys``, with how many leading keys each holds.
 
-        Cost: one dict lookup and two bit operations per key until no source is left, plus one
-        entry per holder: it follows the matched blocks and their holders, not how many sources
-        are registered (a source absent from the answer holds nothing of the prompt).
+        Cost: it follows the matched blocks and their holders, not how many sources are registered
+        (a source absent from the answer holds nothing of the prompt); see :mod:`extproc.kvindex.walk`.
         """
         return self._walk(keys, self._all_bits, lower_tiers) if self._all_bits else {}
 
     def _walk(self, keys: Sequence[int], mask: int, lower_tiers: bool) -> dict[Source, int]:
         result: dict[Source, int] = {}
-        if lower_tiers and self._lower:
-            position, mask = self._walk_any_tier(keys, mask, result)
-        else:
-            position, mask = self._walk_gpu(keys, mask, result)
+        lower_tiers = lower_tiers and self.has_lower_tiers()
+
+        def record(bits: int, length: int) -> None:
+            self._record(bits, length, result)
+
+        holdings = Holdings(
+            self._gpu,
+            self._settled_gpu,
+            (self._lower, self._settled_lower) if lower_tiers else None,
+            words=len(self._by_slot) <= 64,
+        )
+        position, mask = walk(keys, mask, holdings, record)
         if position:
             self._record(mask, position, result)
         return result
-
-    def _walk_gpu(self, keys: Sequence[int], mask: int, result: dict[Source, int]) -> tuple[int, int]:
-        """Narrow ``mask`` key by key, recording each source where it drops out (after one key
-        at least); returns where the walk stopped and who was still in."""
-        get = self._gpu.get
-        position = 0
-        for key in keys:
-            held = get(key, 0)
-            if held != mask:  # usually equal: prefixes are contiguous, so holders narrow as we go
-                held &= mask
-                if held != mask:
-                    if position:
-                        self._record(mask ^ held, position, result)
-                    mask = held
-                    if not mask:
-                        break
-            position += 1
-        return position, mask
-
-    def _walk_any_tier(self, keys: Sequence[int], mask: int, result: dict[Source, int]) -> tuple[int, int]:
-        """:meth:`_walk_gpu` counting a block held on the GPU or on a lower tier."""
-        get, get_lower = self._gpu.get, self._lower.get
-        position = 0
-        for key in keys:
-            held = (get(key, 0) | get_lower(key, 0)) & mask
-            if held != mask:
-                if position:
-                    self._record(mask ^ held, position, result)
-                mask = held
-                if not mask:
-                    break
-            position += 1
-        return position, mask
 
     def _record(self, bits: int, length: int, result: dict[Source, int]) -> None:
         """``result[source] = length`` for every source whose slot bit is set in ``bits``."""
@@ -336,15 +402,20 @@ class PrefixIndex:
                 block_size=state.block_size,
                 gpu_blocks=state.gpu.blocks,
                 lower_blocks=0 if state.lower is None else state.lower.blocks,
-                engine_hashes=sum(len(tier.hashes) for tier in state.tiers()),
+                engine_hashes=sum(tier.engine_hashes() for tier in state.tiers()),
                 complete=state.complete,
                 mismatched_block_size=state.mismatched,
             )
             for source, state in self._states.items()
         }
+        tiers = [tier for state in self._states.values() for tier in state.tiers()]
         return IndexStats(
-            gpu_keys=len(self._gpu),
-            lower_keys=len(self._lower),
+            gpu_keys=len(self._gpu) + len(self._settled_gpu),
+            lower_keys=len(self._lower) + len(self._settled_lower),
+            settled_blocks=sum(len(tier.settled) for tier in tiers),
+            settled_bytes=sum(tier.settled.nbytes() for tier in tiers)
+            + self._settled_gpu.nbytes()
+            + self._settled_lower.nbytes(),
             blocks=self._blocks,
             max_entries=self._max_entries,
             max_entries_per_source=self._max_per_source,

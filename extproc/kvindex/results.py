@@ -79,7 +79,8 @@ class SourceStats:
 class IndexStats:
     """The whole index: sizes, bounds, cumulative counts, per source."""
 
-    #: Distinct keys with at least one holder on the GPU tier / on lower tiers.
+    #: Keys with at least one holder on the GPU tier / on lower tiers (a key held in both layers,
+    #: recent and settled, counts twice until the next settling).
     gpu_keys: int
     lower_keys: int
     #: Index blocks held, all sources and tiers: what ``max_entries`` bounds.
@@ -88,3 +89,6 @@ class IndexStats:
     max_entries_per_source: int
     totals: ApplyResult
     sources: dict[Source, SourceStats] = field(default_factory=dict)
+    #: Blocks in the settled layer (flat arrays), and the bytes of those arrays.
+    settled_blocks: int = 0
+    settled_bytes: int = 0

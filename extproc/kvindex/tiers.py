@@ -1,41 +1,62 @@
-"""One source's blocks per cache tier: engine hash -> our keys, ref counts, and its bits in ``holders``.
+"""One source's blocks per cache tier: engine hash -> our keys, ref counts, and its bits in the holders.
 
-Internal to :mod:`extproc.kvindex.index` (which documents the layout and the invariant). A
-:class:`Tier` changes its own ``blocks`` count and returns how many blocks each call added or
-released, so the index can keep its total without walking the sources.
+Internal to :mod:`extproc.kvindex.index` (which documents the layout, the two layers and the
+invariant). A :class:`Tier` changes its own ``blocks`` count and returns how many blocks each call
+added or released, so the index can keep its total without walking the sources.
 
 Engine hashes arrive as uint64 and are folded to 60 bits (``& KEY_MASK``) before use: a Python int
-below 2**60 is a 32-byte object, one above is 48 bytes, and the index keeps one per block. Within
-one source a fold collision needs two of its live hashes to agree on 60 bits (about n**2 / 2**61).
+below 2**60 is a 32-byte object, one above is 48 bytes, and the recent layer keeps one per block.
+Within one source a fold collision needs two of its live hashes to agree on 60 bits (about
+n**2 / 2**61).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from extproc.kvindex.events import Source
 from extproc.kvindex.keys import KEY_MASK, namespace_seed
+from extproc.kvindex.packed import U64, Entry, PackedHolders, PackedRows
 from extproc.kvindex.results import ApplyResult
 
-#: Our key, or the k keys (in order; the last one ends the engine block) of a re-chunked block.
-Entry = int | tuple[int, ...]
+__all__ = ["Entry", "SourceState", "Tier"]
 
 
 class Tier:
     """One source's blocks on one tier class (GPU, or every lower tier together)."""
 
-    __slots__ = ("aliases", "blocks", "copies", "hashes", "holders")
+    __slots__ = (
+        "aliases",
+        "blocks",
+        "copies",
+        "hashes",
+        "holders",
+        "pending",
+        "settled",
+        "settled_aliases",
+        "settled_holders",
+    )
 
-    def __init__(self, holders: dict[int, int]) -> None:
-        #: The index's key -> slot-bitmask dict for this tier class (shared by every source).
+    def __init__(self, holders: dict[int, int], settled_holders: PackedHolders) -> None:
+        #: The index's recent key -> slot-bitmask dict for this tier class (shared by every source).
         self.holders = holders
-        #: Folded engine hash -> entry; insertion order is least recently stored first.
+        #: The index's settled keys for this tier class (shared by every source).
+        self.settled_holders = settled_holders
+        #: Recent layer: folded engine hash -> entry; insertion order is least recently stored first.
         self.hashes: dict[int, Entry] = {}
         #: Extra copies of an engine hash (beyond the first), only for hashes stored more than once.
         self.copies: dict[int, int] = {}
-        #: Extra engine hashes mapping to a key (beyond the first), only for such keys.
+        #: Extra recent engine hashes mapping to a key (beyond the first), only for such keys.
         self.aliases: dict[int, int] = {}
-        #: Index blocks held: the keys of every entry of ``hashes``, counted with repetition.
+        #: Settled layer: older entries, packed.
+        self.settled = PackedRows()
+        #: Extra settled engine hashes mapping to a key (beyond the first), only for such keys.
+        self.settled_aliases: dict[int, int] = {}
+        #: Removed engine hashes not in the recent layer, for :meth:`flush` to take from the settled one.
+        self.pending: list[int] = []
+        #: Index blocks held, both layers: the keys of every entry, counted with repetition.
         self.blocks = 0
 
     def insert_keys(
@@ -112,7 +133,10 @@ class Tier:
                 continue
             entry = mapping.pop(engine_hash, None)
             if entry is None:
-                result.unknown_removals += 1
+                if len(self.settled):
+                    self.pending.append(engine_hash)  # the index flushes them at the end of the batch
+                else:
+                    result.unknown_removals += 1
             elif isinstance(entry, int) and not (aliases and entry in aliases):  # the common case, inline
                 mask = holders.get(entry, 0)
                 if mask == bit:
@@ -141,20 +165,54 @@ class Tier:
                 holders[key] = mask & ~bit
         return len(keys)
 
-    def evict(self, need: int, bit: int) -> int:
-        """Drop the least recently stored entries until ``need`` blocks are gone (or none is left).
+    def flush(self, bit: int, result: ApplyResult) -> int:
+        """Take the pending removals from the settled layer (one array search for the batch's lot)."""
+        keys, unknown = self.settled.take(np.array(self.pending, np.uint64))
+        self.pending = []
+        self._release_settled(keys, bit)
+        released = len(keys)
+        self.blocks -= released
+        result.removed += released
+        result.unknown_removals += unknown
+        return released
 
-        One pass from the front of ``hashes``: CPython leaves deleted slots there until the next
-        resize, so callers evict in batches rather than one block per call.
+    def _release_settled(self, keys: U64, bit: int) -> None:
+        """Un-hold settled keys whose rows were just removed."""
+        aliases = self.settled_aliases
+        if aliases:
+            kept: list[int] = []
+            for key in keys.tolist():
+                if key in aliases:  # another settled engine hash still maps to this key
+                    _decrement(aliases, key)
+                else:
+                    kept.append(key)
+            keys = np.array(kept, np.uint64)
+        self.settled_holders.release(keys, bit)
+
+    def evict(self, need: int, bit: int) -> int:
+        """Drop the least recently stored entries until ``need`` blocks are gone (or none is left):
+        settled ones first (oldest settling round first), then recent ones.
+
+        Recent ones in one pass from the front of ``hashes``: CPython leaves deleted slots there until
+        the next resize, so callers evict in batches rather than one block per call.
         """
+        released = 0
+        if len(self.settled):
+            keys, hashes = self.settled.evict(need)
+            if self.copies:
+                for engine_hash in hashes.tolist():
+                    self.copies.pop(engine_hash, None)
+            self._release_settled(keys, bit)
+            released = len(keys)
+            need -= released
         victims: list[int] = []
         found = 0
-        for engine_hash, entry in self.hashes.items():
-            victims.append(engine_hash)
-            found += 1 if isinstance(entry, int) else len(entry)
-            if found >= need:
-                break
-        released = 0
+        if need > 0:
+            for engine_hash, entry in self.hashes.items():
+                victims.append(engine_hash)
+                found += 1 if isinstance(entry, int) else len(entry)
+                if found >= need:
+                    break
         for engine_hash in victims:
             self.copies.pop(engine_hash, None)
             released += self._release(self.hashes.pop(engine_hash), bit)
@@ -171,9 +229,66 @@ class Tier:
                     del holders[key]
                 elif mask & bit:
                     holders[key] = mask & ~bit
+        if len(self.settled):
+            self.settled_holders.release(np.unique(self.settled.clear()), bit)
         dropped = self.blocks
         self.hashes, self.copies, self.aliases, self.blocks = {}, {}, {}, 0
+        self.settled_aliases, self.pending = {}, []
         return dropped
+
+    def absorb_copies(self, epoch: int, bit: int) -> int:
+        """Recent entries whose engine hash is also settled (stored again since it settled) become a
+        copy of the settled entry, now as recent as ``epoch``; returns the blocks no longer counted twice.
+        """
+        if not self.hashes or not len(self.settled):
+            return 0
+        engine_hashes = np.fromiter(self.hashes, np.uint64, len(self.hashes))
+        again = self.settled.live(engine_hashes)
+        if not again.any():
+            return 0
+        repeated = engine_hashes[again]
+        self.settled.refresh(repeated, epoch)
+        dropped = 0
+        for engine_hash in repeated.tolist():
+            self.copies[engine_hash] = self.copies.get(engine_hash, 0) + 1
+            dropped += self._release(self.hashes.pop(engine_hash), bit)
+        self.blocks -= dropped
+        return dropped
+
+    def settle(self, epoch: int, bit: int) -> int:
+        """Move the recent entries to the settled layer; returns the blocks that turned out to be
+        copies of settled entries (:meth:`absorb_copies`).
+
+        The index merges the recent holders dict into the settled holders afterwards.
+        """
+        dropped = self.absorb_copies(epoch, bit)
+        if not self.hashes:
+            return dropped
+        engine_hashes = np.fromiter(self.hashes, np.uint64, len(self.hashes))
+        entries = list(self.hashes.values())
+        if all(type(entry) is int for entry in entries):
+            keys = np.array(entries, np.uint64)
+        else:  # re-chunked blocks: one row per index block
+            rows = [(h, key) for h, entry in self.hashes.items() for key in _keys(entry)]
+            engine_hashes = np.array([h for h, _ in rows], np.uint64)
+            keys = np.array([key for _, key in rows], np.uint64)
+        self.settled.merge(engine_hashes, keys, epoch)
+        settled_aliases = self.settled_aliases
+        for key, count in self.aliases.items():
+            settled_aliases[key] = settled_aliases.get(key, 0) + count
+        self.hashes, self.aliases = {}, {}
+        return dropped
+
+    def find(self, engine_hash: int) -> Entry | None:
+        """The entry of a folded engine hash in either layer, recent first."""
+        entry = self.hashes.get(engine_hash)
+        if entry is None and len(self.settled):
+            entry = self.settled.find(engine_hash)
+        return entry
+
+    def engine_hashes(self) -> int:
+        """Engine hashes held (an engine block re-chunked k ways is one)."""
+        return len(self.hashes) + self.settled.entries()
 
 
 class SourceState:
@@ -207,10 +322,14 @@ class SourceState:
 
     def find(self, engine_hash: int) -> Entry | None:
         """The entry of a folded engine hash on any tier, GPU first."""
-        entry = self.gpu.hashes.get(engine_hash)
+        entry = self.gpu.find(engine_hash)
         if entry is None and self.lower is not None:
-            entry = self.lower.hashes.get(engine_hash)
+            entry = self.lower.find(engine_hash)
         return entry
+
+
+def _keys(entry: Entry) -> tuple[int, ...]:
+    return (entry,) if isinstance(entry, int) else entry
 
 
 def _decrement(counts: dict[int, int], key: int) -> None:

@@ -18,7 +18,7 @@ from extproc.catalog.store import CatalogStore
 from extproc.engines.parity import ParityChecker
 from extproc.kvindex.approx import ApproxPrefixIndex
 from extproc.kvindex.follow import KVEventsFollower
-from extproc.kvindex.index import PrefixIndex
+from extproc.kvindex.index import PrefixIndex, blocks_within
 from extproc.kvindex.ingest import IndexIngest
 from extproc.kvindex.subscriptions import KVSubscriptions
 from extproc.scheduling.prefix import LOOP_HOLD_BUCKETS, LoopHold, PrefixMatcher
@@ -38,7 +38,7 @@ class PrefixRouting:
             settings.tokenizers, hf_cache=settings.hf_cache, segment_cache_bytes=settings.tokenize_cache_bytes
         )
         self.index = PrefixIndex(
-            max_entries=settings.index_max_blocks,
+            max_entries=settings.index_max_blocks or blocks_within(settings.index_memory_mib * 2**20),
             max_entries_per_source=settings.index_max_blocks_per_endpoint,
         )
         self.approx = ApproxPrefixIndex(max_entries=settings.approx_max_blocks)

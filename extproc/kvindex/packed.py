@@ -1,0 +1,276 @@
+"""Settled blocks in flat numpy arrays: the bulk of a large prefix index at ~30 bytes per entry.
+
+Internal to :mod:`extproc.kvindex.index`, which documents the two layers (recent blocks in dicts,
+settled ones here) and when blocks move from one to the other.
+
+- :class:`PackedRows`: one (source, tier)'s settled engine hashes. Three parallel arrays sorted by
+  engine hash: the hash, our key, and the epoch (settling round) that stored it, 20 bytes a block.
+  An engine block re-chunked into k index blocks is k consecutive rows with the same hash, in
+  order. A removed row keeps its place with the key :data:`DEAD` until the next settling drops it.
+- :class:`PackedHolders`: every settled key of a tier class and who holds it. Two parallel arrays
+  sorted by key: the key and the id of its holder set, 12 bytes a distinct key. Holder sets are slot
+  bitmasks interned once (a fleet has few distinct ones: one per endpoint for private blocks, a
+  handful for shared prefixes), so a key shared by 8 endpoints costs 1.5 bytes per endpoint.
+
+Why numpy: a dict entry with its two int objects costs 90-150 bytes, which no layout of dicts
+reaches 40 from (bench/results/kvindex.md). Arrays cost their element size; lookups search them
+with ``searchsorted`` over all of a prompt's keys at once, removals are batched per event batch.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+U64 = npt.NDArray[np.uint64]
+U32 = npt.NDArray[np.uint32]
+Rows = npt.NDArray[np.intp]
+
+#: A removed row's key (our keys are below 2**60).
+DEAD: Final = 1 << 63
+_EMPTY_U64: Final = np.empty(0, np.uint64)
+_EMPTY_U32: Final = np.empty(0, np.uint32)
+#: The last of PackedHolders.keys, held by nobody: a search never runs past the end.
+_SENTINEL: Final = np.uint64(2**64 - 1)
+
+#: Our key, or the k keys of an engine block re-chunked into k index blocks.
+Entry = int | tuple[int, ...]
+
+
+class PackedRows:
+    """One (source, tier)'s settled engine hashes -> our keys, oldest epoch first to evict."""
+
+    __slots__ = ("dead", "epochs", "hashes", "keys", "rechunked")
+
+    def __init__(self) -> None:
+        self.hashes: U64 = _EMPTY_U64
+        self.keys: U64 = _EMPTY_U64
+        self.epochs: U32 = _EMPTY_U32
+        #: Rows removed since the last settling (still in the arrays, key DEAD).
+        self.dead = 0
+        #: Some engine hash has more than one row (re-chunked blocks): removals look past the first.
+        self.rechunked = False
+
+    def __len__(self) -> int:
+        """Blocks held (live rows)."""
+        return len(self.hashes) - self.dead
+
+    def nbytes(self) -> int:
+        return self.hashes.nbytes + self.keys.nbytes + self.epochs.nbytes
+
+    def entries(self) -> int:
+        """Live engine hashes (a re-chunked block's k rows are one)."""
+        if not self.rechunked:
+            return len(self)
+        hashes = self.hashes
+        heads = np.ones(len(hashes), np.bool_)
+        heads[1:] = hashes[1:] != hashes[:-1]
+        return int(np.count_nonzero(heads & (self.keys != DEAD)))
+
+    def find(self, engine_hash: int) -> Entry | None:
+        """The live entry of a (folded) engine hash, or None."""
+        hashes = self.hashes
+        first = int(hashes.searchsorted(engine_hash))
+        if first == len(hashes) or int(hashes[first]) != engine_hash or int(self.keys[first]) == DEAD:
+            return None
+        end = first + 1
+        if self.rechunked:
+            end = int(hashes.searchsorted(engine_hash, "right"))
+        if end == first + 1:
+            return int(self.keys[first])
+        return tuple(int(key) for key in self.keys[first:end])
+
+    def live(self, engine_hashes: U64) -> npt.NDArray[np.bool_]:
+        """For each engine hash, whether it has a live entry here."""
+        first = self.hashes.searchsorted(engine_hashes)
+        found = first < len(self.hashes)
+        found[found] = self.hashes[first[found]] == engine_hashes[found]
+        found[found] = self.keys[first[found]] != DEAD
+        return found
+
+    def take(self, engine_hashes: U64) -> tuple[U64, int]:
+        """Remove the entries of ``engine_hashes`` (each named once); returns their keys and how many
+        hashes had no live entry."""
+        hashes = self.hashes
+        first = hashes.searchsorted(engine_hashes)
+        found = first < len(hashes)
+        found[found] = hashes[first[found]] == engine_hashes[found]
+        rows = first[found]
+        rows = np.unique(rows[self.keys[rows] != DEAD])  # a hash named twice: the second is unknown
+        unknown = len(engine_hashes) - len(rows)
+        rows = self._whole_entries(rows)
+        keys = self.keys[rows]
+        self._kill(rows)
+        return keys, unknown
+
+    def refresh(self, engine_hashes: U64, epoch: int) -> None:
+        """Make the live entries of ``engine_hashes`` as recent as ``epoch`` (stored again)."""
+        rows = self._whole_entries(self.hashes.searchsorted(engine_hashes))
+        self.epochs[rows] = epoch
+
+    def evict(self, need: int) -> tuple[U64, U64]:
+        """Remove whole entries, oldest epoch first, until ``need`` blocks are gone (or none is left).
+        Returns the removed rows' keys and engine hashes (one per row)."""
+        live_rows = np.flatnonzero(self.keys != DEAD)
+        if len(live_rows) > need:
+            epochs = self.epochs[live_rows]
+            cut = np.partition(epochs, need - 1)[need - 1]
+            older = live_rows[epochs < cut]
+            at_cut = live_rows[epochs == cut][: need - len(older)]
+            live_rows = self._whole_entries(np.concatenate([older, at_cut]))
+        keys, hashes = self.keys[live_rows], self.hashes[live_rows]
+        self._kill(live_rows)
+        return keys, hashes
+
+    def clear(self) -> U64:
+        """Remove everything; returns the live rows' keys."""
+        keys: U64 = self.keys[self.keys != DEAD]
+        self.__init__()  # type: ignore[misc]
+        return keys
+
+    def merge(self, engine_hashes: U64, keys: U64, epoch: int) -> None:
+        """Add rows (hashes with no live entry here; a re-chunked block's rows in order)."""
+        if self.dead:
+            keep = self.keys != DEAD
+            self.hashes, self.keys, self.epochs = self.hashes[keep], self.keys[keep], self.epochs[keep]
+            self.dead = 0
+        order = np.argsort(engine_hashes, kind="stable")  # stable: a re-chunked block's rows stay in order
+        engine_hashes = engine_hashes[order]
+        if not self.rechunked and len(engine_hashes) > 1:
+            self.rechunked = bool((engine_hashes[1:] == engine_hashes[:-1]).any())
+        at = self.hashes.searchsorted(engine_hashes)
+        self.hashes = np.insert(self.hashes, at, engine_hashes)
+        self.keys = np.insert(self.keys, at, keys[order])
+        self.epochs = np.insert(self.epochs, at, np.uint32(epoch))
+
+    def _whole_entries(self, rows: Rows) -> Rows:
+        """``rows`` (each an entry's first or any row) plus the other rows of their entries."""
+        if not self.rechunked or not len(rows):
+            return rows
+        hashes = self.hashes
+        first = hashes.searchsorted(hashes[rows], "left")
+        end = hashes.searchsorted(hashes[rows], "right")
+        first, end = np.unique(first), np.unique(end)
+        counts = end - first
+        starts = np.repeat(first - np.cumsum(counts) + counts, counts)
+        return starts + np.arange(counts.sum())
+
+    def _kill(self, rows: Rows) -> None:
+        self.keys[rows] = DEAD
+        self.dead += len(rows)
+
+
+class PackedHolders:
+    """Settled keys of one tier class -> the slot bitmask of the sources holding each."""
+
+    __slots__ = ("_id_of", "_masks_at_collect", "_words", "empty", "ids", "keys", "masks")
+
+    def __init__(self) -> None:
+        self.keys: U64 = np.array([_SENTINEL], np.uint64)
+        self.ids: U32 = np.zeros(1, np.uint32)
+        #: Interned holder sets: id -> slot bitmask; id 0 is nobody (a key whose last holder left).
+        self.masks: list[int] = [0]
+        self._id_of: dict[int, int] = {0: 0}
+        self._masks_at_collect = 1
+        self._words: U64 | None = None
+        #: Rows held by nobody, dropped at the next merge.
+        self.empty = 0
+
+    def __len__(self) -> int:
+        """Keys with at least one holder."""
+        return len(self.keys) - 1 - self.empty
+
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.ids.nbytes
+
+    def ids_for(self, keys: Sequence[int]) -> U32:
+        """The holder-set id of each of ``keys`` (0 where nobody holds it); :attr:`masks` maps ids."""
+        stored = self.keys
+        wanted = np.frombuffer(array("Q", keys), np.uint64)
+        rows = stored.searchsorted(wanted)  # never past the end: the last key is _SENTINEL
+        ids: U32 = self.ids[rows]
+        ids[stored[rows] != wanted] = 0
+        return ids
+
+    def release(self, keys: U64, bit: int) -> None:
+        """``bit``'s source no longer holds ``keys`` (all present, as the caller's rows say)."""
+        if not len(keys):
+            return
+        rows = self.keys.searchsorted(keys)
+        masks, intern = self.masks, self._intern
+        clear = ~bit
+        new_ids = [intern(masks[i] & clear) for i in self.ids[rows].tolist()]
+        self.ids[rows] = new_ids
+        self.empty += new_ids.count(0)
+
+    def merge(self, recent: dict[int, int]) -> list[tuple[int, int]]:
+        """Add ``recent`` (key -> holder bits); returns ``(key, bits)`` for bits a key already had."""
+        count = len(recent)
+        if self.empty:
+            keep = self.ids != 0
+            keep[-1] = True  # the sentinel
+            self.keys, self.ids, self.empty = self.keys[keep], self.ids[keep], 0
+        added = np.fromiter(recent, np.uint64, count)
+        order = np.argsort(added)
+        added = added[order]
+        bits = list(recent.values())
+        bits = [bits[i] for i in order.tolist()]
+        at = self.keys.searchsorted(added)
+        exists = self.keys[at] == added
+        overlaps: list[tuple[int, int]] = []
+        masks, intern = self.masks, self._intern
+        if exists.any():
+            rows = at[exists]
+            old_ids = self.ids[rows].tolist()
+            new_ids = []
+            for i, old_id in zip(np.flatnonzero(exists).tolist(), old_ids, strict=True):
+                old = masks[old_id]
+                if old & bits[i]:
+                    overlaps.append((int(added[i]), old & bits[i]))
+                new_ids.append(intern(old | bits[i]))
+            self.ids[rows] = new_ids
+            fresh = ~exists
+            added, at = added[fresh], at[fresh]
+            bits = [b for b, old in zip(bits, exists.tolist(), strict=True) if not old]
+        self.keys = np.insert(self.keys, at, added)
+        self.ids = np.insert(self.ids, at, np.array([intern(b) for b in bits], np.uint32))
+        if len(self.masks) > 2 * self._masks_at_collect + 4096:
+            self._collect()
+        return overlaps
+
+    def drop_slot(self, bit: int) -> None:
+        """``bit``'s source holds nothing any more (O(distinct holder sets + keys))."""
+        masks, intern = self.masks, self._intern
+        remap = np.array([intern(mask & ~bit) for mask in list(masks)], np.uint32)
+        self.ids = remap[self.ids]
+        self.empty = int(np.count_nonzero(self.ids == 0)) - 1  # not the sentinel
+
+    def mask_words(self) -> U64:
+        """:attr:`masks` as uint64s (only while no slot is past 63)."""
+        if self._words is None:
+            self._words = np.array(self.masks, np.uint64)
+        return self._words
+
+    def _intern(self, mask: int) -> int:
+        found = self._id_of.get(mask)
+        if found is None:
+            found = self._id_of[mask] = len(self.masks)
+            self.masks.append(mask)
+            self._words = None
+        return found
+
+    def _collect(self) -> None:
+        """Forget holder sets no key uses any more (churn leaves them behind)."""
+        used = np.flatnonzero(np.bincount(self.ids, minlength=len(self.masks)))
+        used = used[used != 0]
+        remap = np.zeros(len(self.masks), np.uint32)
+        remap[used] = np.arange(1, len(used) + 1, dtype=np.uint32)
+        self.ids = remap[self.ids]
+        self.masks = [0, *(self.masks[i] for i in used.tolist())]
+        self._id_of = {mask: i for i, mask in enumerate(self.masks)}
+        self._words = None
+        self._masks_at_collect = len(self.masks)

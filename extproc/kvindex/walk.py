@@ -1,0 +1,182 @@
+"""A prompt's walk through the prefix index: which slots hold how many of its leading keys.
+
+Internal to :mod:`extproc.kvindex.index`. The walk starts with a bitmask of the slots asked about
+and narrows it key by key: a slot drops out at the first key it does not hold, and ``record(bits,
+length)`` hears every slot that held at least one key when it drops. Prefixes are contiguous, so
+the holders rarely change from one key to the next; every variant below is built on that.
+
+- Recent layer only (a small index): one dict lookup and a compare per key, until nobody is left.
+- Settled layer too: the settled holders of a whole chunk of keys come from one array search, then:
+  - up to 64 slots: every holder set fits a uint64, so narrowing is one running AND in numpy and
+    Python sees only the positions where someone drops out;
+  - more slots: Python ints, visiting only the positions where the settled holder set changes (or
+    the recent layer holds the key), or every position when the recent layer holds most of them.
+  Chunks start at :data:`WALK_CHUNK` keys and double, so a long prompt whose holders drop out early
+  pays for its matched part.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import or_
+
+import numpy as np
+
+from extproc.kvindex.packed import U32, U64, PackedHolders
+
+#: Hears the slots (bits) that dropped out and how many leading keys they held.
+Record = Callable[[int, int], None]
+#: Keys in the first chunk of a walk that reaches the settled layer (then 2x, 4x, ...).
+WALK_CHUNK = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Holdings:
+    """What the walk reads: the GPU tier class's two layers, and the lower tier class's when a
+    lookup counts blocks on any tier (None: GPU only)."""
+
+    recent: dict[int, int]
+    settled: PackedHolders
+    lower: tuple[dict[int, int], PackedHolders] | None
+    #: Every slot is below 64.
+    words: bool
+
+
+def walk(keys: Sequence[int], mask: int, holdings: Holdings, record: Record) -> tuple[int, int]:
+    """Narrow ``mask`` over ``keys``; returns where the walk stopped and who was still in then."""
+    lower = holdings.lower
+    if len(holdings.settled) or (lower is not None and len(lower[1])):
+        return _walk_layers(keys, mask, holdings, record)
+    if lower is not None and lower[0]:
+        return _walk_any_tier(keys, mask, holdings.recent, lower[0], record)
+    return _walk_recent(keys, mask, holdings.recent, record)
+
+
+def _walk_recent(keys: Sequence[int], mask: int, recent: dict[int, int], record: Record) -> tuple[int, int]:
+    get = recent.get
+    position = 0
+    for key in keys:
+        held = get(key, 0)
+        if held != mask:  # usually equal: prefixes are contiguous, so holders narrow as we go
+            held &= mask
+            if held != mask:
+                if position:
+                    record(mask ^ held, position)
+                mask = held
+                if not mask:
+                    break
+        position += 1
+    return position, mask
+
+
+def _walk_any_tier(
+    keys: Sequence[int], mask: int, recent: dict[int, int], lower: dict[int, int], record: Record
+) -> tuple[int, int]:
+    """:func:`_walk_recent` counting a block held on the GPU or on a lower tier."""
+    get, get_lower = recent.get, lower.get
+    position = 0
+    for key in keys:
+        held = (get(key, 0) | get_lower(key, 0)) & mask
+        if held != mask:
+            if position:
+                record(mask ^ held, position)
+            mask = held
+            if not mask:
+                break
+        position += 1
+    return position, mask
+
+
+def _walk_layers(keys: Sequence[int], mask: int, holdings: Holdings, record: Record) -> tuple[int, int]:
+    count, position, size = len(keys), 0, WALK_CHUNK
+    while position < count:
+        chunk = keys[position : position + size]
+        stopped, mask = _walk_chunk(chunk, position, mask, holdings, record)
+        if not mask:
+            return stopped, 0
+        position += len(chunk)
+        size *= 2
+    return position, mask
+
+
+def _walk_chunk(
+    keys: Sequence[int], offset: int, mask: int, holdings: Holdings, record: Record
+) -> tuple[int, int]:
+    """One chunk of the walk, at ``offset`` in the prompt."""
+    count = len(keys)
+    settled_ids = holdings.settled.ids_for(keys)
+    masks = holdings.settled.masks
+    recent = [holdings.recent]
+    if holdings.lower is not None:
+        lower_recent, lower_settled = holdings.lower
+        settled_ids, masks = _combine(settled_ids, masks, lower_settled.ids_for(keys), lower_settled.masks)
+        recent.append(lower_recent)
+    if holdings.words:
+        words = np.array(masks, np.uint64) if holdings.lower is not None else holdings.settled.mask_words()
+        held_words = words[settled_ids]
+        for holders in recent:
+            if holders:
+                held_words |= np.frombuffer(array("Q", map(holders.get, keys, repeat(0))), np.uint64)
+        return _narrow_words(held_words, offset, mask, record)
+    found = [list(map(holders.get, keys, repeat(0))) for holders in recent if holders]
+    hits = sum(count - held.count(0) for held in found)
+    changes: Iterable[int]
+    if hits > count // 4:  # mostly in the recent layer too: block by block is cheaper
+        held_at = list(map(masks.__getitem__, settled_ids.tolist()))
+        for recent_held in found:  # C-level passes: the loop then only compares
+            held_at = list(map(or_, held_at, recent_held))
+        changes = range(count)
+    else:
+        recent_at: dict[int, int] = {}
+        for recent_held in found:
+            for position in compress(range(count), recent_held):
+                recent_at[position] = recent_at.get(position, 0) | recent_held[position]
+        changes = [0, *(np.flatnonzero(settled_ids[1:] != settled_ids[:-1]) + 1).tolist()]
+        if recent_at:
+            changes = sorted({*changes, *recent_at, *(p + 1 for p in recent_at if p + 1 < count)})
+        get_recent = recent_at.get
+        held_at = [
+            masks[settled] | get_recent(position, 0)
+            for position, settled in zip(changes, settled_ids[changes].tolist(), strict=True)
+        ]
+    for position, held in zip(changes, held_at, strict=True):
+        if held != mask:
+            held &= mask
+            if held != mask:
+                if position + offset:
+                    record(mask ^ held, position + offset)
+                mask = held
+                if not mask:
+                    return position + offset, 0
+    return count + offset, mask
+
+
+def _narrow_words(held: U64, offset: int, mask: int, record: Record) -> tuple[int, int]:
+    """Narrowing with ``held[i]`` the holders of the chunk's key i as one uint64: a running AND."""
+    held &= np.uint64(mask)
+    still = np.bitwise_and.accumulate(held)
+    before = np.empty_like(still)
+    before[0] = mask
+    before[1:] = still[:-1]
+    changes = np.flatnonzero(still != before)
+    for position, was, now in zip(
+        changes.tolist(), before[changes].tolist(), still[changes].tolist(), strict=True
+    ):
+        if position + offset:
+            record(was ^ now, position + offset)
+        if not now:
+            return position + offset, 0
+    return len(held) + offset, int(still[-1])
+
+
+def _combine(
+    gpu_ids: U32, gpu_masks: list[int], lower_ids: U32, lower_masks: list[int]
+) -> tuple[U32, list[int]]:
+    """One id per position for the union of both tier classes' settled holders."""
+    pairs = gpu_ids.astype(np.uint64) << np.uint64(32) | lower_ids
+    unique, ids = np.unique(pairs, return_inverse=True)
+    masks = [gpu_masks[pair >> 32] | lower_masks[pair & 0xFFFFFFFF] for pair in unique.tolist()]
+    return ids.astype(np.uint32), masks
