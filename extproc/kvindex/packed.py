@@ -86,21 +86,18 @@ class PackedRows:
 
     def live(self, engine_hashes: U64) -> npt.NDArray[np.bool_]:
         """For each engine hash, whether it has a live entry here."""
-        first = self.hashes.searchsorted(engine_hashes)
-        found = first < len(self.hashes)
-        found[found] = self.hashes[first[found]] == engine_hashes[found]
-        found[found] = self.keys[first[found]] != DEAD
-        return found
+        first = np.minimum(self.hashes.searchsorted(engine_hashes), len(self.hashes) - 1)
+        live: npt.NDArray[np.bool_] = (self.hashes[first] == engine_hashes) & (self.keys[first] != DEAD)
+        return live
 
     def take(self, engine_hashes: U64) -> tuple[U64, int]:
         """Remove the entries of ``engine_hashes`` (each named once); returns their keys and how many
         hashes had no live entry."""
         hashes = self.hashes
-        first = hashes.searchsorted(engine_hashes)
-        found = first < len(hashes)
-        found[found] = hashes[first[found]] == engine_hashes[found]
-        rows = first[found]
-        rows = np.unique(rows[self.keys[rows] != DEAD])  # a hash named twice: the second is unknown
+        first = np.minimum(hashes.searchsorted(engine_hashes), len(hashes) - 1)
+        rows = first[(hashes[first] == engine_hashes) & (self.keys[first] != DEAD)]
+        if len(rows) > 1 and len(set(rows.tolist())) < len(rows):  # a hash named twice: one is unknown
+            rows = np.unique(rows)
         unknown = len(engine_hashes) - len(rows)
         rows = self._whole_entries(rows)
         keys = self.keys[rows]
@@ -202,8 +199,11 @@ class PackedHolders:
             return
         rows = self.keys.searchsorted(keys)
         masks, intern = self.masks, self._intern
-        clear = ~bit
-        new_ids = [intern(masks[i] & clear) for i in self.ids[rows].tolist()]
+        without: dict[int, int] = {}  # old id -> new id: a batch has few distinct holder sets
+        new_ids = [
+            without[i] if i in without else without.setdefault(i, intern(masks[i] & ~bit))
+            for i in self.ids[rows].tolist()
+        ]
         self.ids[rows] = new_ids
         self.empty += new_ids.count(0)
 
@@ -237,7 +237,10 @@ class PackedHolders:
             added, at = added[fresh], at[fresh]
             bits = [b for b, old in zip(bits, exists.tolist(), strict=True) if not old]
         self.keys = np.insert(self.keys, at, added)
-        self.ids = np.insert(self.ids, at, np.array([intern(b) for b in bits], np.uint32))
+        ids = list(map(self._id_of.get, bits))  # C-level: most holder sets are known already
+        if None in ids:
+            ids = [intern(b) if i is None else i for i, b in zip(ids, bits, strict=True)]
+        self.ids = np.insert(self.ids, at, np.array(ids, np.uint32))
         if len(self.masks) > 2 * self._masks_at_collect + 4096:
             self._collect()
         return overlaps

@@ -132,11 +132,8 @@ class Tier:
                 result.removed_copies += 1
                 continue
             entry = mapping.pop(engine_hash, None)
-            if entry is None:
-                if len(self.settled):
-                    self.pending.append(engine_hash)  # the index flushes them at the end of the batch
-                else:
-                    result.unknown_removals += 1
+            if entry is None:  # settled, or unknown: the index flushes them at the end of the batch
+                self.pending.append(engine_hash)
             elif isinstance(entry, int) and not (aliases and entry in aliases):  # the common case, inline
                 mask = holders.get(entry, 0)
                 if mask == bit:
@@ -167,6 +164,10 @@ class Tier:
 
     def flush(self, bit: int, result: ApplyResult) -> int:
         """Take the pending removals from the settled layer (one array search for the batch's lot)."""
+        if not len(self.settled):
+            result.unknown_removals += len(self.pending)
+            self.pending = []
+            return 0
         keys, unknown = self.settled.take(np.array(self.pending, np.uint64))
         self.pending = []
         self._release_settled(keys, bit)
