@@ -34,6 +34,7 @@ class Tier:
         "hashes",
         "holders",
         "pending",
+        "rechunked",
         "settled",
         "settled_aliases",
         "settled_holders",
@@ -54,6 +55,8 @@ class Tier:
         self.settled = PackedRows()
         #: Extra settled engine hashes mapping to a key (beyond the first), only for such keys.
         self.settled_aliases: dict[int, int] = {}
+        #: Some recent entry is a tuple of keys (a re-chunked engine block).
+        self.rechunked = False
         #: Removed engine hashes not in the recent layer, for :meth:`flush` to take from the settled one.
         self.pending: list[int] = []
         #: Index blocks held, both layers: the keys of every entry, counted with repetition.
@@ -97,6 +100,8 @@ class Tier:
                 self._copy(engine_hash, old, result)
                 continue
             mapping[engine_hash] = entry
+            if not isinstance(entry, int):
+                self.rechunked = True
             for key in (entry,) if isinstance(entry, int) else entry:
                 mask = holders.get(key)
                 if mask is None:
@@ -234,7 +239,7 @@ class Tier:
             self.settled_holders.release(np.unique(self.settled.clear()), bit)
         dropped = self.blocks
         self.hashes, self.copies, self.aliases, self.blocks = {}, {}, {}, 0
-        self.settled_aliases, self.pending = {}, []
+        self.settled_aliases, self.pending, self.rechunked = {}, [], False
         return dropped
 
     def absorb_copies(self, epoch: int, bit: int) -> int:
@@ -243,7 +248,9 @@ class Tier:
         """
         if not self.hashes or not len(self.settled):
             return 0
-        engine_hashes = np.fromiter(self.hashes, np.uint64, len(self.hashes))
+        return self._absorb(np.fromiter(self.hashes, np.uint64, len(self.hashes)), epoch, bit)
+
+    def _absorb(self, engine_hashes: U64, epoch: int, bit: int) -> int:
         again = self.settled.live(engine_hashes)
         if not again.any():
             return 0
@@ -262,13 +269,14 @@ class Tier:
 
         The index merges the recent holders dict into the settled holders afterwards.
         """
-        dropped = self.absorb_copies(epoch, bit)
         if not self.hashes:
-            return dropped
+            return 0
         engine_hashes = np.fromiter(self.hashes, np.uint64, len(self.hashes))
-        entries = list(self.hashes.values())
-        if all(type(entry) is int for entry in entries):
-            keys = np.array(entries, np.uint64)
+        dropped = self._absorb(engine_hashes, epoch, bit) if len(self.settled) else 0
+        if dropped:
+            engine_hashes = np.fromiter(self.hashes, np.uint64, len(self.hashes))
+        if not self.rechunked:
+            keys = np.fromiter(self.hashes.values(), np.uint64, len(self.hashes))
         else:  # re-chunked blocks: one row per index block
             rows = [(h, key) for h, entry in self.hashes.items() for key in _keys(entry)]
             engine_hashes = np.array([h for h, _ in rows], np.uint64)
@@ -277,7 +285,7 @@ class Tier:
         settled_aliases = self.settled_aliases
         for key, count in self.aliases.items():
             settled_aliases[key] = settled_aliases.get(key, 0) + count
-        self.hashes, self.aliases = {}, {}
+        self.hashes, self.aliases, self.rechunked = {}, {}, False
         return dropped
 
     def find(self, engine_hash: int) -> Entry | None:

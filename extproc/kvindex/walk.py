@@ -158,17 +158,19 @@ def _narrow_words(held: U64, offset: int, mask: int, record: Record) -> tuple[in
     """Narrowing with ``held[i]`` the holders of the chunk's key i as one uint64: a running AND."""
     held &= np.uint64(mask)
     still = np.bitwise_and.accumulate(held)
-    before = np.empty_like(still)
-    before[0] = mask
-    before[1:] = still[:-1]
-    changes = np.flatnonzero(still != before)
+    first = int(still[0])
+    if first != mask:  # who holds not even the chunk's first key (no record before the prompt's first)
+        if offset:
+            record(mask ^ first, offset)
+        if not first:
+            return offset, 0
+    changes = np.flatnonzero(still[1:] != still[:-1])  # position - 1 of each drop
     for position, was, now in zip(
-        changes.tolist(), before[changes].tolist(), still[changes].tolist(), strict=True
+        changes.tolist(), still[changes].tolist(), still[changes + 1].tolist(), strict=True
     ):
-        if position + offset:
-            record(was ^ now, position + offset)
+        record(was ^ now, position + 1 + offset)
         if not now:
-            return position + offset, 0
+            return position + 1 + offset, 0
     return len(held) + offset, int(still[-1])
 
 

@@ -255,6 +255,16 @@ class PrefixCollector(Collector):
                 mismatch.add_metric([*labels, str(held.mismatched_block_size)], 1)
         yield blocks
         yield mismatch
+        yield GaugeMetricFamily(
+            "extproc_kv_index_max_blocks",
+            "The KV-event index's bound in blocks, all endpoints (from --kv-index-memory-mib).",
+            value=stats.max_entries,
+        )
+        yield GaugeMetricFamily(
+            "extproc_kv_index_settled_bytes",
+            "Bytes of the KV-event index's settled layer (flat arrays, most of its blocks).",
+            value=stats.settled_bytes,
+        )
         totals = stats.totals
         applied = CounterMetricFamily(
             "extproc_kv_index_events",

@@ -22,6 +22,7 @@ import pytest
 from waiting import eventually
 
 from extproc.kvindex.events import Source
+from extproc.kvindex.index import blocks_within
 from extproc.serve.app import Server
 from extproc.sim.server import SimServer
 from extproc.tokenize.shipped import shipped_template
@@ -338,6 +339,8 @@ async def test_metrics_count_precise_lookups(sim_gateway: StartSimGateway) -> No
     for engine in gw.engines:
         assert f'extproc_kv_index_blocks{{dp_rank="0",endpoint="{engine.address}"}}' in text
     assert 'extproc_kv_sources{state="complete"} 3.0' in text
+    bound = next(line for line in text.splitlines() if line.startswith("extproc_kv_index_max_blocks "))
+    assert float(bound.split()[1]) == blocks_within(1024 * 2**20)  # the default memory budget, 1 GiB
 
 
 # -- (5) an engine leaving the catalog leaves the index ------------------------------------------------------

@@ -660,3 +660,41 @@ def test_bounds_count_rechunked_blocks_and_evict_whole_engine_blocks() -> None:
     assert (result.stored, result.evicted) == (6, 2)
     assert index.stats().sources[A].gpu_blocks == 4
     assert index.match(KEYS[2:6]) == {A: 4} and index.match(KEYS) == {A: 0}
+
+
+@pytest.mark.parametrize("sources", [5, 70], ids=["uint64-masks", "wide-masks"])
+def test_long_prompts_drop_holders_at_every_chunk_boundary(sources: int) -> None:
+    """A lookup over a long prompt walks it in chunks (512 keys, then 1024, ...): sources whose
+    prefix ends just before, at and after a chunk boundary are each credited exactly their prefix,
+    whether their blocks settled long ago or were stored since, with up to 64 sources and more."""
+    lengths = [0, 1, 2, 511, 512, 513, 1023, 1024, 1100, 1536, 1537, 1600]
+    tokens = tuple(random.Random(sources).randrange(128_000) for _ in range(16 * 1600))
+    keys = block_keys(tokens, 16, namespace_seed(MODEL))
+    members = [Source(EndpointAddress(f"10.1.0.{i}:8000"), 0) for i in range(sources)]
+    # Settling every 300 blocks or so as well: a lookup then sees both layers at once.
+    mixed = PrefixIndex(max_entries=10**6, max_entries_per_source=10**6, hot_blocks=300)
+    index = make_index(*members)
+    for source in members:
+        mixed.add_source(source, namespace=MODEL, block_size=16)
+    expected = {}
+    for i, source in enumerate(members):
+        held = lengths[i % len(lengths)]
+        for first in range(0, held, 64):  # one event per 64 blocks, each chained to the last
+            count = min(64, held - first)
+            event = BlockStored(
+                tuple(range(first, first + count)),
+                first - 1 if first else None,
+                tokens[first * 16 : (first + count) * 16],
+                16,
+                None,
+                None,
+            )
+            apply(index, source, event)
+            apply(mixed, source, event)
+        if held:
+            expected[source] = held
+    assert 0 < mixed.stats().settled_blocks < mixed.stats().blocks
+    for lookup in (index, mixed):
+        assert lookup.holders(keys) == expected
+        assert lookup.match(keys) == {source: expected.get(source, 0) for source in members}
+        assert lookup.holders(keys[:700]) == {source: min(n, 700) for source, n in expected.items()}
