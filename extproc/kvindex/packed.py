@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -141,9 +141,10 @@ class PackedRows:
         if not self.rechunked and len(engine_hashes) > 1:
             self.rechunked = bool((engine_hashes[1:] == engine_hashes[:-1]).any())
         at = self.hashes.searchsorted(engine_hashes)
-        self.hashes = np.insert(self.hashes, at, engine_hashes)
-        self.keys = np.insert(self.keys, at, keys[order])
-        self.epochs = np.insert(self.epochs, at, np.uint32(epoch))
+        epochs = np.full(len(at), epoch, np.uint32)
+        self.hashes, self.keys, self.epochs = _insert(
+            at, (self.hashes, engine_hashes), (self.keys, keys[order]), (self.epochs, epochs)
+        )
 
     def _whole_entries(self, rows: Rows) -> Rows:
         """``rows`` (each an entry's first or any row) plus the other rows of their entries."""
@@ -216,9 +217,12 @@ class PackedHolders:
             self.keys, self.ids, self.empty = self.keys[keep], self.ids[keep], 0
         added = np.fromiter(recent, np.uint64, len(recent))
         bits = list(recent.values())
-        for mask in set(bits) - self._id_of.keys():  # C-level passes: holder sets are few
-            self._intern(mask)
-        found = list(map(self._id_of.__getitem__, bits))
+        # Holder sets by object identity first: most values are a source's own bit object, and a
+        # fleet's masks are 1,000-bit ints, slow to hash once per key (C-level passes throughout).
+        objects = list(map(id, bits))
+        by_object = dict(zip(objects, bits, strict=True))
+        interned = {obj: self._intern(mask) for obj, mask in by_object.items()}
+        found = list(map(interned.__getitem__, objects))
         order = np.argsort(added)
         in_dict_order, added, ids = added, added[order], np.array(found, np.uint32)[order]
         at = self.keys.searchsorted(added)
@@ -236,8 +240,7 @@ class PackedHolders:
             self.ids[rows] = new_ids
             fresh = ~exists
             added, ids, at = added[fresh], ids[fresh], at[fresh]
-        self.keys = np.insert(self.keys, at, added)
-        self.ids = np.insert(self.ids, at, ids)
+        self.keys, self.ids = _insert(at, (self.keys, added), (self.ids, ids))
         if len(self.masks) > 2 * self._masks_at_collect + 4096:
             self._collect()
         return overlaps
@@ -267,3 +270,19 @@ class PackedHolders:
         self._id_of = {mask: i for i, mask in enumerate(self.masks)}
         self._words = None
         self._masks_at_collect = len(self.masks)
+
+
+def _insert(at: Rows, *columns: tuple[npt.NDArray[Any], npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
+    """Each ``(old, new)`` column with ``new`` inserted before the rows ``at`` of ``old`` (``at``
+    sorted, as ``searchsorted`` gives it): ``np.insert`` for several columns, the slots worked out once."""
+    total = len(columns[0][0]) + len(at)
+    new_rows = at + np.arange(len(at))
+    old_rows = np.ones(total, np.bool_)
+    old_rows[new_rows] = False
+    merged = []
+    for old, new in columns:
+        out = np.empty(total, old.dtype)
+        out[new_rows] = new
+        out[old_rows] = old
+        merged.append(out)
+    return merged

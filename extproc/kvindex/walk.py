@@ -50,16 +50,19 @@ def walk(keys: Sequence[int], mask: int, holdings: Holdings, record: Record) -> 
     lower = holdings.lower
     if len(holdings.settled) or (lower is not None and len(lower[1])):
         return _walk_layers(keys, mask, holdings, record)
+    count = len(keys)
+    held_at: Iterable[int] = map(holdings.recent.get, keys, repeat(0))
     if lower is not None and lower[0]:
-        return _walk_any_tier(keys, mask, holdings.recent, lower[0], record)
-    return _walk_recent(keys, mask, holdings.recent, record)
+        held_at = map(or_, held_at, map(lower[0].get, keys, repeat(0)))
+    return _narrow(range(count), held_at, count, mask, record)
 
 
-def _walk_recent(keys: Sequence[int], mask: int, recent: dict[int, int], record: Record) -> tuple[int, int]:
-    get = recent.get
-    position = 0
-    for key in keys:
-        held = get(key, 0)
+def _narrow(
+    positions: Iterable[int], held_at: Iterable[int], end: int, mask: int, record: Record
+) -> tuple[int, int]:
+    """Narrow ``mask`` by the holders at each position (positions where they may change suffice);
+    returns where nobody was left, or ``end`` and who still was."""
+    for position, held in zip(positions, held_at, strict=True):
         if held != mask:  # usually equal: prefixes are contiguous, so holders narrow as we go
             held &= mask
             if held != mask:
@@ -67,27 +70,8 @@ def _walk_recent(keys: Sequence[int], mask: int, recent: dict[int, int], record:
                     record(mask ^ held, position)
                 mask = held
                 if not mask:
-                    break
-        position += 1
-    return position, mask
-
-
-def _walk_any_tier(
-    keys: Sequence[int], mask: int, recent: dict[int, int], lower: dict[int, int], record: Record
-) -> tuple[int, int]:
-    """:func:`_walk_recent` counting a block held on the GPU or on a lower tier."""
-    get, get_lower = recent.get, lower.get
-    position = 0
-    for key in keys:
-        held = (get(key, 0) | get_lower(key, 0)) & mask
-        if held != mask:
-            if position:
-                record(mask ^ held, position)
-            mask = held
-            if not mask:
-                break
-        position += 1
-    return position, mask
+                    return position, 0
+    return end, mask
 
 
 def _walk_layers(keys: Sequence[int], mask: int, holdings: Holdings, record: Record) -> tuple[int, int]:
@@ -142,16 +126,7 @@ def _walk_chunk(
             masks[settled] | get_recent(position, 0)
             for position, settled in zip(changes, settled_ids[changes].tolist(), strict=True)
         ]
-    for position, held in zip(changes, held_at, strict=True):
-        if held != mask:
-            held &= mask
-            if held != mask:
-                if position + offset:
-                    record(mask ^ held, position + offset)
-                mask = held
-                if not mask:
-                    return position + offset, 0
-    return count + offset, mask
+    return _narrow((position + offset for position in changes), held_at, count + offset, mask, record)
 
 
 def _narrow_words(held: U64, offset: int, mask: int, record: Record) -> tuple[int, int]:
