@@ -401,6 +401,8 @@ def memory_case(name: str, method: str, entries: int) -> dict[str, Any]:
         "bytes": after - before,
         "bytes_per_entry": (after - before) / held,
         "settled_blocks": stats.settled_blocks,
+        "settle_rounds": stats.settle_rounds,
+        "settle_ms_max": stats.settle_seconds_max * 1000,
         "settled_bytes_per_entry": stats.settled_bytes / held,
     }
 
@@ -591,20 +593,26 @@ def markdown(results: dict[str, Any]) -> str:
         "## Memory per (block, endpoint) entry",
         "",
         "| case | method | entries | distinct keys | bytes/entry | settled entries | settled arrays, B/entry "
-        "|",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| settling rounds | longest round ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in results["memory"]:
         lines.append(
             f"| {row['description']} | {row['method']} | {row['entries']:,} | {row['distinct_keys']:,} "
             f"| **{row['bytes_per_entry']:.0f}** | {row['settled_blocks']:,} "
-            f"| {row['settled_bytes_per_entry']:.0f} |"
+            f"| {row['settled_bytes_per_entry']:.0f} | {row.get('settle_rounds', '')} "
+            f"| {_settle_ms(row)} |"
         )
     lines += ["", "## Why these choices (micro)", "", "| key function (ns/block) | |", "|---|---:|"]
     lines += [f"| {k} | {v:.0f} |" for k, v in results["key_function_ns_per_block"].items()]
     lines += ["", "| event class (ns to build) | |", "|---|---:|"]
     lines += [f"| {k} | {v:.0f} |" for k, v in results["event_class_ns_per_event"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _settle_ms(row: dict[str, Any]) -> str:
+    """The longest settling round of a memory case (tracemalloc slows every allocation: not shown)."""
+    return f"{row['settle_ms_max']:.0f}" if row["method"] == "rss" and "settle_ms_max" in row else "-"
 
 
 def main() -> None:

@@ -39,6 +39,7 @@ lost removals and hostile streams.
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Iterable, Sequence
 
 from extproc.kvindex.events import GPU_MEDIA, BlockRemoved, BlockStored, DecodedBatch, Source
@@ -84,6 +85,7 @@ class PrefixIndex:
         #: Tiers with removals waiting for :meth:`Tier.flush`, and their slot bits.
         self._pending: list[tuple[Tier, int]] = []
         self._epoch = 0
+        self._settle_seconds_max = 0.0
         self._stored_since_settle = 0
         self._settle_at = hot_blocks
         self._states: dict[Source, SourceState] = {}
@@ -177,7 +179,9 @@ class PrefixIndex:
         self._pending = []
 
     def _settle(self) -> None:
-        """Move every recent block to the settled layer (one epoch)."""
+        """Move every recent block to the settled layer (one epoch). Its time is the loop's: about
+        40 ms per million blocks held (bench/results/kvindex.md), counted in :meth:`stats`."""
+        started = time.perf_counter()
         self._epoch += 1
         for state in self._states.values():
             for tier in state.tiers():
@@ -195,6 +199,8 @@ class PrefixIndex:
             recent.clear()
         self._stored_since_settle = 0
         self._settle_at = max(self._hot_blocks, self._blocks // SETTLE_FRACTION)
+        took = time.perf_counter() - started
+        self._settle_seconds_max = max(self._settle_seconds_max, took)
 
     def _tier_at(self, slot: int, lower: bool) -> Tier:
         state = self._by_slot[slot]
@@ -412,6 +418,8 @@ class PrefixIndex:
         return IndexStats(
             gpu_keys=len(self._gpu) + len(self._settled_gpu),
             lower_keys=len(self._lower) + len(self._settled_lower),
+            settle_rounds=self._epoch,
+            settle_seconds_max=self._settle_seconds_max,
             settled_blocks=sum(len(tier.settled) for tier in tiers),
             settled_bytes=sum(tier.settled.nbytes() for tier in tiers)
             + self._settled_gpu.nbytes()

@@ -92,3 +92,6 @@ class IndexStats:
     #: Blocks in the settled layer (flat arrays), and the bytes of those arrays.
     settled_blocks: int = 0
     settled_bytes: int = 0
+    #: Settling rounds so far, and the longest one (seconds the event loop was busy with it).
+    settle_rounds: int = 0
+    settle_seconds_max: float = 0.0

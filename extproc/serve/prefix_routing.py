@@ -261,6 +261,12 @@ class PrefixCollector(Collector):
             value=stats.max_entries,
         )
         yield GaugeMetricFamily(
+            "extproc_kv_index_settle_seconds_max",
+            "The longest settling round of the KV-event index so far (recent blocks packed into "
+            "arrays; the event loop waits for it): ~40 ms per million blocks held.",
+            value=stats.settle_seconds_max,
+        )
+        yield GaugeMetricFamily(
             "extproc_kv_index_settled_bytes",
             "Bytes of the KV-event index's settled layer (flat arrays, most of its blocks).",
             value=stats.settled_bytes,

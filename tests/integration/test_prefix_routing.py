@@ -341,6 +341,7 @@ async def test_metrics_count_precise_lookups(sim_gateway: StartSimGateway) -> No
     assert 'extproc_kv_sources{state="complete"} 3.0' in text
     bound = next(line for line in text.splitlines() if line.startswith("extproc_kv_index_max_blocks "))
     assert float(bound.split()[1]) == blocks_within(1024 * 2**20)  # the default memory budget, 1 GiB
+    assert "extproc_kv_index_settled_bytes " in text and "extproc_kv_index_settle_seconds_max " in text
 
 
 # -- (5) an engine leaving the catalog leaves the index ------------------------------------------------------
