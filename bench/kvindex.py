@@ -43,6 +43,7 @@ from extproc.kvindex import (
     namespace_seed,
 )
 from extproc.kvindex.keys import KEY_MASK
+from extproc.serve.memory import malloc_trim_function
 from extproc.sim import kv_events as sim
 from extproc.sim.kv_wire import encode_batch
 from extproc.types import EndpointAddress
@@ -390,6 +391,8 @@ def memory_case(name: str, method: str, entries: int) -> dict[str, Any]:
     before = tracemalloc.get_traced_memory()[0] if method == "tracemalloc" else rss_bytes()
     index = build_memory_case(name, entries)
     gc.collect()
+    if method == "rss" and (trim := malloc_trim_function()) is not None:
+        trim()  # serve hands freed heap pages back every few seconds (extproc.serve.memory)
     after = tracemalloc.get_traced_memory()[0] if method == "tracemalloc" else rss_bytes()
     stats = index.stats()
     held = sum(s.gpu_blocks for s in stats.sources.values())
