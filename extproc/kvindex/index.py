@@ -190,7 +190,8 @@ class PrefixIndex:
         for recent, settled, lower in layers:
             if not recent:
                 continue
-            for key, bits in settled.merge(recent):  # a key held in both layers: one more mapping
+            wide = len(self._by_slot) > 64
+            for key, bits in settled.merge(recent, wide=wide):  # a key held in both layers: one more mapping
                 while bits:
                     low = bits & -bits
                     aliases = self._tier_at(low.bit_length() - 1, lower).settled_aliases

@@ -130,16 +130,17 @@ class PackedRows:
         self.__init__()  # type: ignore[misc]
         return keys
 
-    def merge(self, engine_hashes: U64, keys: U64, epoch: int) -> None:
-        """Add rows (hashes with no live entry here; a re-chunked block's rows in order)."""
+    def merge(self, engine_hashes: U64, keys: U64, epoch: int, *, rechunked: bool) -> None:
+        """Add rows (hashes with no live entry here; a re-chunked block's rows in order, ``rechunked``
+        when some hash has several)."""
         if self.dead:
             keep = self.keys != DEAD
             self.hashes, self.keys, self.epochs = self.hashes[keep], self.keys[keep], self.epochs[keep]
             self.dead = 0
-        order = np.argsort(engine_hashes, kind="stable")  # stable: a re-chunked block's rows stay in order
+        # Stable only where it matters: a re-chunked block's rows must stay in order.
+        order = np.argsort(engine_hashes, kind="stable" if rechunked else None)
         engine_hashes = engine_hashes[order]
-        if not self.rechunked and len(engine_hashes) > 1:
-            self.rechunked = bool((engine_hashes[1:] == engine_hashes[:-1]).any())
+        self.rechunked = self.rechunked or rechunked
         at = self.hashes.searchsorted(engine_hashes)
         epochs = np.full(len(at), epoch, np.uint32)
         self.hashes, self.keys, self.epochs = _insert(
@@ -209,20 +210,26 @@ class PackedHolders:
         self.ids[rows] = new_ids
         self.empty += new_ids.count(0)
 
-    def merge(self, recent: dict[int, int]) -> list[tuple[int, int]]:
-        """Add ``recent`` (key -> holder bits); returns ``(key, bits)`` for bits a key already had."""
+    def merge(self, recent: dict[int, int], *, wide: bool) -> list[tuple[int, int]]:
+        """Add ``recent`` (key -> holder bits); returns ``(key, bits)`` for bits a key already had.
+        ``wide``: some slot is past 63, so masks are long ints (slow to hash)."""
         if self.empty:
             keep = self.ids != 0
             keep[-1] = True  # the sentinel
             self.keys, self.ids, self.empty = self.keys[keep], self.ids[keep], 0
         added = np.fromiter(recent, np.uint64, len(recent))
         bits = list(recent.values())
-        # Holder sets by object identity first: most values are a source's own bit object, and a
-        # fleet's masks are 1,000-bit ints, slow to hash once per key (C-level passes throughout).
-        objects = list(map(id, bits))
-        by_object = dict(zip(objects, bits, strict=True))
-        interned = {obj: self._intern(mask) for obj, mask in by_object.items()}
-        found = list(map(interned.__getitem__, objects))
+        if wide:
+            # By object identity: most values are a source's own bit object, and hashing a
+            # 1,000-bit int once per key would cost more than the rest of the round.
+            objects = list(map(id, bits))
+            by_object = dict(zip(objects, bits, strict=True))
+            interned = {obj: self._intern(mask) for obj, mask in by_object.items()}
+            found = list(map(interned.__getitem__, objects))
+        else:
+            for mask in set(bits) - self._id_of.keys():  # C-level passes: holder sets are few
+                self._intern(mask)
+            found = list(map(self._id_of.__getitem__, bits))
         order = np.argsort(added)
         in_dict_order, added, ids = added, added[order], np.array(found, np.uint32)[order]
         at = self.keys.searchsorted(added)

@@ -281,7 +281,7 @@ class Tier:
             rows = [(h, key) for h, entry in self.hashes.items() for key in _keys(entry)]
             engine_hashes = np.array([h for h, _ in rows], np.uint64)
             keys = np.array([key for _, key in rows], np.uint64)
-        self.settled.merge(engine_hashes, keys, epoch)
+        self.settled.merge(engine_hashes, keys, epoch, rechunked=self.rechunked)
         settled_aliases = self.settled_aliases
         for key, count in self.aliases.items():
             settled_aliases[key] = settled_aliases.get(key, 0) + count
