@@ -187,6 +187,11 @@ class PackedHolders:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.ids.nbytes
 
+    def mask_of(self, key: int) -> int:
+        """The holder bitmask of one key (one search)."""
+        row = int(self.keys.searchsorted(np.uint64(key)))  # never past the end: the sentinel
+        return self.masks[int(self.ids[row])] if int(self.keys[row]) == key else 0
+
     def ids_for(self, keys: Sequence[int]) -> U32:
         """The holder-set id of each of ``keys`` (0 where nobody holds it); :attr:`masks` maps ids."""
         stored = self.keys

@@ -31,6 +31,8 @@ from extproc.kvindex.packed import U32, U64, PackedHolders
 Record = Callable[[int, int], None]
 #: Keys in the first chunk of a walk that reaches the settled layer (then 2x, 4x, ...).
 WALK_CHUNK = 512
+#: The first key probed for anyone holding it before a walk over the settled layer (then 4x, 16x, ...).
+PROBE_FIRST = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,15 +77,36 @@ def _narrow(
 
 
 def _walk_layers(keys: Sequence[int], mask: int, holdings: Holdings, record: Record) -> tuple[int, int]:
-    count, position, size = len(keys), 0, WALK_CHUNK
+    count, position, size = _reach(keys, mask, holdings), 0, WALK_CHUNK
     while position < count:
-        chunk = keys[position : position + size]
+        chunk = keys[position : min(position + size, count)]
         stopped, mask = _walk_chunk(chunk, position, mask, holdings, record)
         if not mask:
             return stopped, 0
         position += len(chunk)
         size *= 2
     return position, mask
+
+
+def _reach(keys: Sequence[int], mask: int, holdings: Holdings) -> int:
+    """How far the walk can go at most. Keys 16, 64, 256, ... are probed one at a time for anyone
+    still in ``mask`` (narrowed by each probe): the first that none of them holds ends every prefix.
+    Most prompts match a short prefix and a long tail nobody holds: they pay for a few probes and a
+    short chunk, not for the whole prompt."""
+    probe = PROBE_FIRST
+    while probe < len(keys) and mask:
+        mask &= _holders_of(keys[probe], holdings)
+        if not mask:
+            return probe + 1
+        probe *= 4
+    return len(keys)
+
+
+def _holders_of(key: int, holdings: Holdings) -> int:
+    held = holdings.recent.get(key, 0) | holdings.settled.mask_of(key)
+    if holdings.lower is not None:
+        held |= holdings.lower[0].get(key, 0) | holdings.lower[1].mask_of(key)
+    return held
 
 
 def _walk_chunk(
