@@ -11,8 +11,11 @@ the holders rarely change from one key to the next; every variant below is built
     Python sees only the positions where someone drops out;
   - more slots: Python ints, visiting only the positions where the settled holder set changes (or
     the recent layer holds the key), or every position when the recent layer holds most of them.
-  Chunks start at :data:`WALK_CHUNK` keys and double, so a long prompt whose holders drop out early
-  pays for its matched part.
+  First, keys 16, 64, 256, ... are probed one by one (:func:`_reach`): the first that none of the
+  slots still in holds bounds the walk, so a long prompt whose holders drop out early pays for its
+  matched part. Chunks start at :data:`WALK_CHUNK` keys and double. A settled lookup is a binary
+  search (a cache miss per halving when cold), which is why this layer costs more per key than the
+  recent one (bench/results/kvindex.md).
 """
 
 from __future__ import annotations
