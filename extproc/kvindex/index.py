@@ -167,7 +167,7 @@ class PrefixIndex:
         if self._pending:
             self._flush(result)
         if self._stored_since_settle >= self._settle_at:
-            self._settle()
+            result.settle_seconds = self._settle()
         self._totals.add(result)
         return result
 
@@ -178,7 +178,7 @@ class PrefixIndex:
                 self._blocks -= tier.flush(bit, result)
         self._pending = []
 
-    def _settle(self) -> None:
+    def _settle(self) -> float:
         """Move every recent block to the settled layer (one epoch). Its time is the loop's: about
         40 ms per million blocks held (bench/results/kvindex.md), counted in :meth:`stats`."""
         started = time.perf_counter()
@@ -202,6 +202,7 @@ class PrefixIndex:
         self._settle_at = max(self._hot_blocks, self._blocks // SETTLE_FRACTION)
         took = time.perf_counter() - started
         self._settle_seconds_max = max(self._settle_seconds_max, took)
+        return took
 
     def _tier_at(self, slot: int, lower: bool) -> Tier:
         state = self._by_slot[slot]

@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two logs of the same problem for one source.
 LOG_INTERVAL = 60.0
+#: A settling round longer than this is logged (requests wait for it).
+SLOW_SETTLE_S = 0.1
 
 
 @dataclass(slots=True)
@@ -48,6 +50,8 @@ class IndexIngest:
     index: PrefixIndex
     clock: Callable[[], float] = time.monotonic
     counters: IngestCounters = field(default_factory=IngestCounters)
+    #: Settling rounds longer than this many seconds are logged.
+    slow_settle_s: float = SLOW_SETTLE_S
     health: dict[Source, SourceHealth] = field(default_factory=dict)
     _log_limiter: LogLimiter[Source] = field(init=False)
 
@@ -73,6 +77,15 @@ class IndexIngest:
             self.counters.unknown_source += 1
             return
         self.counters.batches += 1
+        if result.settle_seconds > self.slow_settle_s:
+            self._log_sometimes(
+                source,
+                "settle",
+                "kv index settling round held the event loop %.0f ms (blocks=%d); it grows with the "
+                "blocks held: lower --kv-index-memory-mib if requests cannot wait that long",
+                result.settle_seconds * 1000,
+                self.index.stats().blocks,
+            )
         if result.mismatched and (sizes := self.index.block_size_mismatch(source)) is not None:
             declared, engine = sizes
             self._log_sometimes(

@@ -39,6 +39,8 @@ class ApplyResult:
     skipped: int = 0
     #: Events the decoder left out as belonging to a secondary KV-cache group (hybrid models).
     ignored: int = 0
+    #: Seconds spent settling recent blocks into the packed layer after this batch (0: no round).
+    settle_seconds: float = 0.0
 
     def add(self, other: ApplyResult) -> None:
         """Add ``other``'s counts to these."""
@@ -55,6 +57,7 @@ class ApplyResult:
         self.evicted += other.evicted
         self.skipped += other.skipped
         self.ignored += other.ignored
+        self.settle_seconds += other.settle_seconds
 
 
 @dataclass(frozen=True, slots=True)

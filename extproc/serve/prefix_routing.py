@@ -260,6 +260,11 @@ class PrefixCollector(Collector):
             "The KV-event index's bound in blocks, all endpoints (from --kv-index-memory-mib).",
             value=stats.max_entries,
         )
+        yield CounterMetricFamily(
+            "extproc_kv_index_settle_seconds",
+            "Seconds the KV-event index spent settling recent blocks into its packed layer.",
+            value=stats.totals.settle_seconds,
+        )
         yield GaugeMetricFamily(
             "extproc_kv_index_settle_seconds_max",
             "The longest settling round of the KV-event index so far (recent blocks packed into "

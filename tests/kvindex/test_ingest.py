@@ -214,3 +214,20 @@ def test_an_engine_block_size_the_set_does_not_divide_is_said_once_a_minute(
     assert "blocks hold 1 tokens, not a multiple of the worker set's kvBlockSize 16" in record
     assert ingest.index.block_size_mismatch(A) == (16, 1)
     assert ingest.index.match(block_keys(DOC[:16], BLOCK, namespace_seed(MODEL))) == {A: 0}
+
+
+def test_a_settling_round_longer_than_the_threshold_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Packing recent blocks holds the event loop: a round past ``slow_settle_s`` says so, with the
+    way out; one under it stays quiet. (The threshold here is 0 and a day: the test cannot time.)"""
+    for threshold, expected in ((0.0, 1), (86_400.0, 0)):
+        caplog.clear()
+        index = PrefixIndex(max_entries=10_000, max_entries_per_source=10_000, hot_blocks=1)
+        index.add_source(A, namespace=MODEL, block_size=BLOCK)
+        ingest = IndexIngest(index, slow_settle_s=threshold)
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            ingest.on_batch(A, 0, payload(stored(0, 3)))
+        logs = [r.getMessage() for r in caplog.records if "settling round" in r.getMessage()]
+        assert len(logs) == expected
+        assert index.stats().settled_blocks == 3 and index.stats().settle_rounds == 1
+        if logs:
+            assert "lower --kv-index-memory-mib" in logs[0] and "blocks=3" in logs[0]
