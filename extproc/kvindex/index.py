@@ -289,11 +289,14 @@ class PrefixIndex:
     # --- bounds --------------------------------------------------------------------------------
 
     def _enforce_bounds(self, state: SourceState, result: ApplyResult) -> None:
+        if state.blocks() <= self._max_per_source and self._blocks <= self._max_entries:
+            return  # within bounds (counts only over-estimate: pending removals, settled copies)
         if self._pending:  # the counts must be exact before anything is evicted
             self._flush(result)
-        self._absorb_copies(state)
         if state.blocks() > self._max_per_source:
-            self._shrink(state, state.blocks() - self._max_per_source, self._max_per_source, result)
+            self._absorb_copies(state)
+            if state.blocks() > self._max_per_source:
+                self._shrink(state, state.blocks() - self._max_per_source, self._max_per_source, result)
         while self._blocks > self._max_entries:  # the source holding the most blocks pays
             largest = max(self._states.values(), key=SourceState.blocks)
             if self._absorb_copies(largest):
