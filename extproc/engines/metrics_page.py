@@ -231,10 +231,10 @@ def _collect(text: str) -> _Samples:
         try:
             labels, value = parse_sample(line, len(name))
         except ValueError as exc:
-            found.problem(f"line {page.count(chr(10), 0, match.start() + 1)}: ValueError: {exc}")
+            found.problem(f"line {_line_number(page, match)}: ValueError: {exc}")
             continue
         if not math.isfinite(value):
-            found.problem(f"line {page.count(chr(10), 0, match.start() + 1)}: {name} is {value}")
+            found.problem(f"line {_line_number(page, match)}: {name} is {value}")
             continue
         if family == SGLANG_CACHED_TOKENS and labels.get("cache_source", "device") != "device":
             continue  # a host or storage hit still loads the prefix: not a GPU prefix hit
@@ -247,6 +247,11 @@ def _collect(text: str) -> _Samples:
         if "model_name" in labels:
             found.models.add(labels["model_name"])
     return found
+
+
+def _line_number(page: str, match: re.Match[str]) -> int:
+    """The 1-based line of ``page`` (the text behind one leading newline) a match starts on."""
+    return page.count("\n", 0, match.start() + 1)
 
 
 def parse_signals(text: str | bytes) -> EngineSignals:

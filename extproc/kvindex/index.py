@@ -146,6 +146,10 @@ class PrefixIndex:
     def sources(self) -> list[Source]:
         return list(self._states)
 
+    def blocks(self) -> int:
+        """Index blocks held, all sources and tiers (O(1); :meth:`stats` has the rest)."""
+        return self._blocks
+
     # --- events --------------------------------------------------------------------------------
 
     def apply(self, source: Source, batch: DecodedBatch) -> ApplyResult:
@@ -156,10 +160,13 @@ class PrefixIndex:
             if type(event) is BlockRemoved:  # the most frequent event at steady state
                 self._remove(state, event, result)
             elif type(event) is BlockStored:
-                self._store(state, event, result)
-                # A cheap over-approximation of "a bound is exceeded"; _enforce_bounds checks exactly.
-                over = self._blocks > self._max_entries or state.gpu.blocks > self._max_per_source
-                if over or state.lower is not None:
+                added = self._store(state, event, result)
+                self._blocks += added
+                self._stored_since_settle += added
+                # Counts only over-estimate (pending removals, copies of settled blocks): past a
+                # bound, _enforce_bounds makes them exact before it evicts anything.
+                per_source = state.gpu.blocks if state.lower is None else state.blocks()
+                if self._blocks > self._max_entries or per_source > self._max_per_source:
                     self._enforce_bounds(state, result)
             else:
                 result.cleared += 1
@@ -187,10 +194,10 @@ class PrefixIndex:
             for tier in state.tiers():
                 self._blocks -= tier.settle(self._epoch, state.bit)
         layers = ((self._gpu, self._settled_gpu, False), (self._lower, self._settled_lower, True))
+        wide = not self._masks_fit_words()
         for recent, settled, lower in layers:
             if not recent:
                 continue
-            wide = len(self._by_slot) > 64
             for key, bits in settled.merge(recent, wide=wide):  # a key held in both layers: one more mapping
                 while bits:
                     low = bits & -bits
@@ -204,6 +211,10 @@ class PrefixIndex:
         self._settle_seconds_max = max(self._settle_seconds_max, took)
         return took
 
+    def _masks_fit_words(self) -> bool:
+        """Every slot ever given out is below 64: holder masks fit a uint64."""
+        return len(self._by_slot) <= 64
+
     def _tier_at(self, slot: int, lower: bool) -> Tier:
         state = self._by_slot[slot]
         tier = None if state is None else state.lower if lower else state.gpu
@@ -211,23 +222,21 @@ class PrefixIndex:
             raise AssertionError(f"slot {slot} holds settled keys but has no tier ({lower=})")
         return tier
 
-    def _store(self, state: SourceState, event: BlockStored, result: ApplyResult) -> None:
+    def _store(self, state: SourceState, event: BlockStored, result: ApplyResult) -> int:
+        """Store one event's blocks; returns how many became held."""
         count = len(event.engine_hashes)
         tier = state.gpu if event.medium in GPU_MEDIA else self._lower_tier(state)
         tokens = event.token_ids
         if not tokens:
-            added = self._store_by_hash(state, tier, event, result)
-            self._blocks += added
-            self._stored_since_settle += added
-            return
+            return self._store_by_hash(state, tier, event, result)
         if count == 0 or event.block_size < 1 or len(tokens) != count * event.block_size:
             result.invalid += count
-            return
+            return 0
         k, rest = divmod(event.block_size, state.block_size)
         if rest or not k:
             result.mismatched += count
             state.mismatched = event.block_size
-            return
+            return 0
         parent = event.parent_engine_hash
         if parent is None:
             if event.lora_name is None and event.cache_salt is None:
@@ -242,15 +251,12 @@ class PrefixIndex:
                 entry = state.find(parent)
                 if entry is None:
                     result.unresolved += count
-                    return
+                    return 0
             keys = block_keys(tokens, state.block_size, 0, entry if isinstance(entry, int) else entry[-1])
         if k == 1:
-            added = tier.insert_keys(event.engine_hashes, keys, state.bit, result)
-        else:
-            chunks = [tuple(keys[i : i + k]) for i in range(0, len(keys), k)]
-            added = tier.insert([h & KEY_MASK for h in event.engine_hashes], chunks, state.bit, result)
-        self._blocks += added
-        self._stored_since_settle += added
+            return tier.insert_keys(event.engine_hashes, keys, state.bit, result)
+        chunks = [tuple(keys[i : i + k]) for i in range(0, len(keys), k)]
+        return tier.insert([h & KEY_MASK for h in event.engine_hashes], chunks, state.bit, result)
 
     @staticmethod
     def _store_by_hash(state: SourceState, tier: Tier, event: BlockStored, result: ApplyResult) -> int:
@@ -289,8 +295,6 @@ class PrefixIndex:
     # --- bounds --------------------------------------------------------------------------------
 
     def _enforce_bounds(self, state: SourceState, result: ApplyResult) -> None:
-        if state.blocks() <= self._max_per_source and self._blocks <= self._max_entries:
-            return  # within bounds (counts only over-estimate: pending removals, settled copies)
         if self._pending:  # the counts must be exact before anything is evicted
             self._flush(result)
         if state.blocks() > self._max_per_source:
@@ -381,7 +385,7 @@ class PrefixIndex:
             self._gpu,
             self._settled_gpu,
             (self._lower, self._settled_lower) if lower_tiers else None,
-            words=len(self._by_slot) <= 64,
+            words=self._masks_fit_words(),
         )
         position, mask = walk(keys, mask, holdings, record)
         if position:

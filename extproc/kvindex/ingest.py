@@ -84,7 +84,7 @@ class IndexIngest:
                 "kv index settling round held the event loop %.0f ms (blocks=%d); it grows with the "
                 "blocks held: lower --kv-index-memory-mib if requests cannot wait that long",
                 result.settle_seconds * 1000,
-                self.index.stats().blocks,
+                self.index.blocks(),
             )
         if result.mismatched and (sizes := self.index.block_size_mismatch(source)) is not None:
             declared, engine = sizes

@@ -87,16 +87,13 @@ class PackedRows:
 
     def live(self, engine_hashes: U64) -> npt.NDArray[np.bool_]:
         """For each engine hash, whether it has a live entry here."""
-        first = np.minimum(self.hashes.searchsorted(engine_hashes), len(self.hashes) - 1)
-        live: npt.NDArray[np.bool_] = (self.hashes[first] == engine_hashes) & (self.keys[first] != DEAD)
-        return live
+        return self._first_rows(engine_hashes)[1]
 
     def take(self, engine_hashes: U64) -> tuple[U64, int]:
         """Remove the entries of ``engine_hashes`` (each named once); returns their keys and how many
         hashes had no live entry."""
-        hashes = self.hashes
-        first = np.minimum(hashes.searchsorted(engine_hashes), len(hashes) - 1)
-        rows = first[(hashes[first] == engine_hashes) & (self.keys[first] != DEAD)]
+        first, live = self._first_rows(engine_hashes)
+        rows = first[live]
         if len(rows) > 1 and len(set(rows.tolist())) < len(rows):  # a hash named twice: one is unknown
             rows = np.unique(rows)
         unknown = len(engine_hashes) - len(rows)
@@ -146,6 +143,11 @@ class PackedRows:
         self.hashes, self.keys, self.epochs = _insert(
             at, (self.hashes, engine_hashes), (self.keys, keys[order]), (self.epochs, epochs)
         )
+
+    def _first_rows(self, engine_hashes: U64) -> tuple[Rows, npt.NDArray[np.bool_]]:
+        """Each engine hash's first row (clamped to the last), and whether that row is its live entry."""
+        first = np.minimum(self.hashes.searchsorted(engine_hashes), len(self.hashes) - 1)
+        return first, (self.hashes[first] == engine_hashes) & (self.keys[first] != DEAD)
 
     def _whole_entries(self, rows: Rows) -> Rows:
         """``rows`` (each an entry's first or any row) plus the other rows of their entries."""

@@ -102,7 +102,7 @@ class Tier:
             mapping[engine_hash] = entry
             if not isinstance(entry, int):
                 self.rechunked = True
-            for key in (entry,) if isinstance(entry, int) else entry:
+            for key in _keys(entry):
                 mask = holders.get(key)
                 if mask is None:
                     holders[key] = bit
@@ -155,7 +155,7 @@ class Tier:
     def _release(self, entry: Entry, bit: int) -> int:
         """Un-hold the keys of an entry just taken out of ``hashes``; returns how many (caller counts)."""
         holders, aliases = self.holders, self.aliases
-        keys: tuple[int, ...] = (entry,) if isinstance(entry, int) else entry
+        keys = _keys(entry)
         for key in keys:
             if aliases and key in aliases:  # another engine hash still maps to this key
                 _decrement(aliases, key)
@@ -229,7 +229,7 @@ class Tier:
         """Drop everything; returns how many blocks that was."""
         holders = self.holders
         for entry in self.hashes.values():
-            for key in (entry,) if isinstance(entry, int) else entry:
+            for key in _keys(entry):
                 mask = holders.get(key, 0)
                 if mask == bit:
                     del holders[key]
@@ -338,6 +338,7 @@ class SourceState:
 
 
 def _keys(entry: Entry) -> tuple[int, ...]:
+    """The keys of an entry: our key, or a re-chunked block's k keys in order."""
     return (entry,) if isinstance(entry, int) else entry
 
 
