@@ -26,6 +26,7 @@ from extproc.scheduling.registry import DEFAULT_POLICY, POLICIES
 from extproc.settings import (
     DEFAULT_ADMIN_LISTEN,
     CandidateSettings,
+    FlowSettings,
     PrefixSettings,
     ServeSettings,
     SourceSettings,
@@ -53,6 +54,7 @@ _SERVE = field_defaults(ServeSettings)
 _PREFIX = field_defaults(PrefixSettings)
 _SOURCE = field_defaults(SourceSettings)
 _CANDIDATES = field_defaults(CandidateSettings)
+_FLOW = field_defaults(FlowSettings)
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -182,6 +184,23 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="endpoints drawn at random, so none starves",
     )
     c.add_argument("--score-all-endpoints", action="store_true", help="score every endpoint of every pool")
+    q = p.add_argument_group(
+        "flow control",
+        "requests that find every endpoint of their pool saturated (the profile's queue_limit / "
+        "kv_cache_limit) wait, by priority and fairly (docs/flow-control.md)",
+    )
+    q.add_argument(
+        "--max-queue",
+        type=int,
+        default=_FLOW["max_queue"],
+        help="requests that may wait per pool; 0: none, a saturated pool answers 429 at once",
+    )
+    q.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=_FLOW["queue_timeout"],
+        help="seconds a request may wait for room before it gets 429 with Retry-After",
+    )
     g = p.add_argument_group("prefix-cache-aware routing")
     g.add_argument(
         "--tokenizer",
@@ -279,6 +298,7 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
             random=args.candidates_random,
             score_all=args.score_all_endpoints,
         ),
+        flow=FlowSettings(max_queue=args.max_queue, queue_timeout=args.queue_timeout),
         drain_seconds=args.drain_seconds,
         seed=args.seed,
         prefix=_prefix_settings(args),

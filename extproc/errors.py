@@ -10,7 +10,8 @@
         +-- BadRequest              400: body is not JSON, ``model`` missing or not a string
         +-- ModelNotFound           404: no worker set serves the model name
         +-- BodyTooLarge            413: body over ``--max-body-bytes``
-        +-- Overloaded              429: shed (every endpoint saturated, or too many bodies held)
+        +-- Overloaded              429: shed (too many bodies held, queue full or timed out)
+        |   +-- Saturated           429: every candidate endpoint is saturated (flow control may queue it)
         +-- NoReadyEndpoint         503: the model exists but no endpoint can take the request
 
 :func:`extproc.protocol.messages.error_response` is the one place that turns a RequestError into
@@ -82,6 +83,26 @@ class Overloaded(RequestError):
     status = 429
     error_type = "rate_limit_error"
     code = "overloaded"
+
+    def __init__(self, message: str, *, retry_after: int = 1, code: str | None = None) -> None:
+        super().__init__(message)
+        #: Whole seconds for the ``Retry-After`` header (every 429 carries one).
+        self.retry_after = max(1, retry_after)
+        if code is not None:
+            #: Why it was refused, e.g. ``queue_timeout`` (OpenAI's ``code``, and the metric label).
+            self.code = code
+
+
+class Saturated(Overloaded):
+    """Every candidate endpoint of the request's pool is saturated (the scheduler's verdict):
+    request control queues the request when flow control allows, else it is answered as is."""
+
+    code = "saturated"
+
+    def __init__(self, message: str, *, prompt_tokens: int | None = None) -> None:
+        super().__init__(message)
+        #: The request's prompt tokens when the decision knew them (what fair queuing charges).
+        self.prompt_tokens = prompt_tokens
 
 
 class NoReadyEndpoint(RequestError):

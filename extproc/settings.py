@@ -6,6 +6,7 @@ below the CLI receives a validated :class:`ServeSettings` and never reads flags 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -236,6 +237,30 @@ DEFAULT_ADMIN_LISTEN = "127.0.0.1:9090"
 
 
 @dataclass(frozen=True, slots=True)
+class FlowSettings:
+    """Flow control: requests that find their pool saturated wait (``extproc.control.flow``)."""
+
+    #: Requests that may wait per pool (``--max-queue``); 0 turns queueing off: a saturated pool
+    #: answers 429 at once.
+    max_queue: int = 128
+    #: Seconds a request may wait for room before it gets 429 (``--queue-timeout``).
+    queue_timeout: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 0:
+            raise ConfigError(f"--max-queue must be 0 (no queueing) or more, got {self.max_queue}")
+        if not (self.queue_timeout > 0 and math.isfinite(self.queue_timeout)):
+            raise ConfigError(
+                f"--queue-timeout must be a positive number of seconds, got {self.queue_timeout}"
+            )
+
+    @property
+    def retry_after(self) -> int:
+        """``Retry-After`` seconds of a shed request: about one queue wait."""
+        return max(1, math.ceil(self.queue_timeout))
+
+
+@dataclass(frozen=True, slots=True)
 class ServeSettings:
     """Everything ``extproc serve`` needs."""
 
@@ -255,6 +280,8 @@ class ServeSettings:
     max_fallbacks: int = 0
     #: How many endpoints of a large pool one decision scores.
     candidates: CandidateSettings = field(default_factory=CandidateSettings)
+    #: How requests wait when their pool is saturated.
+    flow: FlowSettings = field(default_factory=FlowSettings)
     #: Seed for tie-breaking randomness; None for a random seed. Tests and benchmarks set it.
     seed: int | None = None
     #: Seconds to let in-flight streams finish on shutdown.

@@ -13,9 +13,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from extproc.catalog.fields import IntOrString
-from extproc.catalog.model import Catalog, Endpoint, NameConflict, ObjectProblem, Route, WorkerSet
-from extproc.catalog.resources import EndpointSlice, InferenceWorkerSet, Service
-from extproc.types import EndpointAddress, ModelName
+from extproc.catalog.model import (
+    Catalog,
+    Endpoint,
+    NameConflict,
+    Objective,
+    ObjectProblem,
+    Route,
+    WorkerSet,
+)
+from extproc.catalog.resources import EndpointSlice, InferenceObjective, InferenceWorkerSet, Service
+from extproc.types import EndpointAddress, ModelName, WorkerSetKey
 
 #: The Service port names the CRD falls back to (see inferenceworkerset.schema.json).
 KV_REPLAY_PORT_NAME = "kv-replay"
@@ -32,10 +40,12 @@ def build_catalog(
     services: Iterable[Service],
     slices: Iterable[EndpointSlice],
     problems: Iterable[ObjectProblem] = (),
+    objectives: Iterable[InferenceObjective] = (),
 ) -> Catalog:
     """Build the routing table; equal inputs in any order give an equal Catalog.
 
-    Objects are identified by namespace/name; if one appears twice, the later one is used.
+    Objects are identified by namespace/name; if one appears twice, the later one is used. An
+    objective whose pool is no worker set is kept (the set may come later) and said in problems.
     """
     specs = {ws.key: ws for ws in worker_sets}
     services_by_name = {(s.namespace, s.name): s for s in services}
@@ -55,11 +65,22 @@ def build_catalog(
         for key in sorted(specs)
     }
     routes, conflicts = build_routes(built.values())
+    problems = list(problems)
+    named: dict[str, list[Objective]] = {}
+    for o in sorted(
+        {(o.namespace, o.name): o for o in objectives}.values(), key=lambda o: (o.namespace, o.name)
+    ):
+        pool = WorkerSetKey(f"{o.namespace}/{o.pool}")
+        if pool not in built:
+            detail = f"spec.poolRef.name: no InferenceWorkerSet {pool}; requests naming it get priority 0"
+            problems.append(ObjectProblem("InferenceObjective", o.namespace, o.name, detail))
+        named.setdefault(o.name, []).append(Objective(o.namespace, o.name, o.priority, pool))
     return Catalog(
         worker_sets=built,
         routes=routes,
         conflicts=conflicts,
         problems=tuple(sorted(problems, key=lambda p: (p.kind, p.namespace, p.name, p.message))),
+        objectives={name: tuple(found) for name, found in named.items()},
     )
 
 

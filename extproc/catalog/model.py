@@ -36,6 +36,18 @@ class Endpoint:
 
 
 @dataclass(frozen=True, slots=True)
+class Objective:
+    """An InferenceObjective: the priority of requests that name it, in one worker set (pool)."""
+
+    namespace: str
+    name: str
+    #: Higher is served first; negative is sheddable (refused at once while saturated).
+    priority: int
+    #: The worker set ``spec.poolRef.name`` names, in the objective's namespace.
+    pool: WorkerSetKey
+
+
+@dataclass(frozen=True, slots=True)
 class ServedModel:
     """A model a worker set serves, with the extra client-facing names it answers to."""
 
@@ -139,9 +151,18 @@ class Catalog:
     #: (endpoint, upstream model) -> the engine's context window in tokens (``max_model_len`` of
     #: ``/v1/models``; an adapter inherits its base model's). Absent = unknown: do not filter on it.
     context_windows: Mapping[tuple[EndpointAddress, ModelName], int] = field(default_factory=dict)
+    #: InferenceObjective name -> the objectives of that name (one per namespace, at most).
+    objectives: Mapping[str, tuple[Objective, ...]] = field(default_factory=dict)
 
     def resolve(self, client_name: str) -> Route | None:
         return self.routes.get(ModelName(client_name))
+
+    def objective(self, name: str, route: Route) -> Objective | None:
+        """The objective called ``name`` whose pool is one of ``route``'s worker sets, or None."""
+        for objective in self.objectives.get(name, ()):
+            if objective.pool in route.worker_sets:
+                return objective
+        return None
 
     def context_window(self, address: EndpointAddress, model: ModelName) -> int | None:
         """Tokens ``address`` accepts for ``model`` (prompt + output), None if unknown."""
@@ -172,6 +193,11 @@ class Catalog:
                     **_windows_debug(self, r),
                 }
                 for name, r in sorted(self.routes.items())
+            },
+            "objectives": {
+                f"{o.namespace}/{o.name}": {"priority": o.priority, "pool": o.pool}
+                for named in self.objectives.values()
+                for o in named
             },
             "conflicts": [c.message() for c in self.conflicts],
             "problems": [

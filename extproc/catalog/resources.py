@@ -25,6 +25,8 @@ from extproc.errors import ExtprocError
 from extproc.types import ENGINE_KINDS, EngineKind, ModelName, WorkerSetKey
 
 WORKER_SET_API = "kinference.buoyant.io/v1alpha1"
+#: The Gateway API Inference Extension's InferenceObjective (now kept by llm-d-router, storage version).
+OBJECTIVE_API = "inference.networking.x-k8s.io/v1alpha2"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 _MAX_MODELS, _MAX_ALIASES, _MAX_MODEL_NAME = 64, 32, 512
 _INTERVAL_PATTERN = r"^([0-9]{1,5}(h|m|s|ms)){1,4}$"
@@ -115,7 +117,18 @@ class EndpointSlice:
     endpoints: tuple[SliceEndpoint, ...] = ()
 
 
-Resource = InferenceWorkerSet | Service | EndpointSlice
+@dataclass(frozen=True, slots=True)
+class InferenceObjective:
+    """The ``spec`` of an InferenceObjective: a priority for requests naming it, in one pool."""
+
+    namespace: str
+    name: str
+    priority: int
+    #: ``spec.poolRef.name``: an InferenceWorkerSet in the objective's namespace.
+    pool: str
+
+
+Resource = InferenceWorkerSet | Service | EndpointSlice | InferenceObjective
 
 
 class InvalidObject(ExtprocError):
@@ -182,7 +195,7 @@ def parse_object(obj: Any) -> Resource:
     return parser(obj)
 
 
-_R = TypeVar("_R", InferenceWorkerSet, Service, EndpointSlice)
+_R = TypeVar("_R", InferenceWorkerSet, Service, EndpointSlice, InferenceObjective)
 
 
 def _naming(kind: str) -> Callable[[Callable[[Mapping[str, Any]], _R]], Callable[[Mapping[str, Any]], _R]]:
@@ -390,8 +403,28 @@ def _parse_slice_endpoint(value: Any, path: str, address_type: str) -> SliceEndp
     )
 
 
+#: ``spec.priority`` is an int32 upstream.
+_INT32 = 2**31
+
+
+@_naming("InferenceObjective")
+def parse_objective(obj: Mapping[str, Any]) -> InferenceObjective:
+    """An unset priority is 0, as upstream's endpoint picker reads it; ``poolRef.name`` is required."""
+    namespace, name, _ = _metadata(obj)
+    spec = fields.mapping(obj.get("spec"), "spec", required=True)
+    priority = spec.get("priority")
+    ref = fields.mapping(spec.get("poolRef"), "spec.poolRef", required=True)
+    return InferenceObjective(
+        namespace=namespace,
+        name=name,
+        priority=0 if priority is None else fields.integer(priority, "spec.priority", -_INT32, _INT32 - 1),
+        pool=fields.string(ref.get("name"), "spec.poolRef.name", required=True, max_len=253),
+    )
+
+
 _PARSERS: dict[tuple[str, str], Callable[[Mapping[str, Any]], Resource]] = {
     (WORKER_SET_API, "InferenceWorkerSet"): parse_worker_set,
     ("v1", "Service"): parse_service,
     ("discovery.k8s.io/v1", "EndpointSlice"): parse_endpoint_slice,
+    (OBJECTIVE_API, "InferenceObjective"): parse_objective,
 }

@@ -62,6 +62,10 @@ class LoadView:
         self._order = LoadOrder()
         #: Pools whose endpoints the order knows: id -> the address set (held, so ids stay unique).
         self._ordered: dict[int, Set[EndpointAddress]] = {}
+        #: Per scraped endpoint: leases removed since its last scrape (the scrape still counts them).
+        self._ended: dict[EndpointAddress, int] = {}
+        #: Called after each removal (flow control: a seat may have freed).
+        self.on_release: Callable[[Lease], None] | None = None
 
     def __contains__(self, key: LeaseKey) -> bool:
         return key in self._leases
@@ -95,6 +99,11 @@ class LoadView:
             self._counts.pop(lease.endpoint, None)
         self._order.in_flight(lease.endpoint, max(0, left))
         self.prefill_over(key, lease.endpoint)
+        ended = self._ended.get(lease.endpoint)
+        if ended is not None:
+            self._ended[lease.endpoint] = ended + 1
+        if self.on_release is not None:
+            self.on_release(lease)
         return lease
 
     def prefill_over(self, key: LeaseKey, endpoint: EndpointAddress | None = None) -> None:
@@ -141,12 +150,19 @@ class LoadView:
     def engine_queue(self, address: EndpointAddress, requests: int) -> None:
         """A scrape of ``address`` found ``requests`` running or waiting (for the load order)."""
         self._order.queued(address, requests)
+        self._ended[address] = 0
+
+    def ended_since_scrape(self, address: EndpointAddress) -> int:
+        """Requests at ``address`` that ended since its last scrape (0 when never scraped)."""
+        return self._ended.get(address, 0)
 
     def keep_endpoints(self, addresses: Set[EndpointAddress]) -> None:
         """The catalog now has only ``addresses``: the load order forgets the rest (leases stay
         until their requests end)."""
         self._order.keep(addresses)
         self._ordered.clear()
+        for gone in self._ended.keys() - addresses:
+            del self._ended[gone]
 
     def snapshot(self) -> Mapping[EndpointAddress, int]:
         """In-flight counts per endpoint, now."""

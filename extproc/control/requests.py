@@ -15,8 +15,12 @@ everything in between happens here, in order:
 7. **release**: the routing stream ended and no accounting stream claimed the lease, or the
    accounting stream ended.
 
-This is the seam where peer sync (peers' leases added to the same load view) and flow control
-(a request waiting here for room) plug in; policies and the protocol layer do not change for them.
+When every candidate is saturated, the decision raises :class:`~extproc.errors.Saturated`, and the
+request waits for room in :mod:`extproc.control.flow` (by its objective's priority and its fairness
+ID), is decided again when its turn comes, and continues at step 4; or it gets 429 at once.
+
+This is also the seam where peer sync (peers' leases added to the same load view) plugs in;
+policies and the protocol layer do not change for it.
 """
 
 from __future__ import annotations
@@ -29,11 +33,21 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from extproc.catalog.model import Catalog, Route
+from extproc.control.flow import (
+    BYTES_PER_TOKEN,
+    DEFAULT_FAIRNESS_ID,
+    TYPICAL_OUTPUT_TOKENS,
+    FlowControl,
+    FlowMetrics,
+    RequestClass,
+)
 from extproc.control.handover import LeaseHandover
 from extproc.control.load import Lease, LoadView
-from extproc.errors import ModelNotFound
+from extproc.errors import ModelNotFound, Saturated
 from extproc.openai import InferenceRequest
+from extproc.scheduling.prefix import Tokenized
 from extproc.scheduling.scheduler import Decision, Scheduler, all_endpoints
+from extproc.settings import FlowSettings
 from extproc.telemetry import clip
 from extproc.types import EndpointAddress
 
@@ -41,14 +55,18 @@ from extproc.types import EndpointAddress
 class RoutedRequest:
     """A routed request as its routing stream sees it: the decision, and what to report."""
 
-    __slots__ = ("_control", "decision", "lease", "token")
+    __slots__ = ("_control", "decision", "lease", "token", "waited")
 
-    def __init__(self, control: RequestControl, decision: Decision, lease: Lease, token: str) -> None:
+    def __init__(
+        self, control: RequestControl, decision: Decision, lease: Lease, token: str, waited: float = 0.0
+    ) -> None:
         self._control = control
         self.decision = decision
         self.lease = lease
         #: The token the lease is offered under (the accounting stream claims it with it).
         self.token = token
+        #: Seconds it waited for room in a saturated pool (0: routed at once).
+        self.waited = waited
 
     def response_started(self) -> None:
         """The engine answered (response headers): its prefill is done, the request decodes."""
@@ -80,6 +98,8 @@ class RequestControl:
         clock: Callable[[], float] = time.monotonic,
         on_unreachable: Callable[[EndpointAddress], None] | None = None,
         on_retried_away: Callable[[EndpointAddress], None] | None = None,
+        flow: FlowSettings | None = None,
+        flow_metrics: FlowMetrics | None = None,
     ) -> None:
         self._catalog = catalog
         self.scheduler = scheduler
@@ -94,16 +114,29 @@ class RequestControl:
         #: The catalog last looked at by :meth:`accounting_lease` (weakly: a replaced catalog is
         #: freed off the event loop), and its endpoint addresses.
         self._addresses_of: tuple[weakref.ref[Catalog] | None, frozenset[str]] = (None, frozenset())
+        #: Where saturated requests wait (none given: nowhere, 429 at once). A lease that ends
+        #: may free a seat, so it wakes the queues.
+        self.flow: FlowControl[RoutedRequest] = FlowControl(
+            flow or FlowSettings(max_queue=0),
+            flow_metrics,
+            on_lost=lambda routed: routed.stream_ended(),
+            clock=clock,
+        )
+        load.on_release = lambda _lease: self.flow.wake()
 
     # -- the routing stream ---------------------------------------------------------------------
 
     def route(
-        self, request: InferenceRequest | None, subset: frozenset[str] | None = None
+        self,
+        request: InferenceRequest | None,
+        subset: frozenset[str] | None = None,
+        klass: RequestClass | None = None,
     ) -> RoutedRequest | Coroutine[Any, Any, RoutedRequest]:
         """Decide for ``request`` (None: a bodiless request, for any endpoint) and lease the pick.
 
-        Returns a coroutine to await instead when the prompt is tokenized off the loop first.
-        Raises :class:`~extproc.errors.RequestError` for what the client should be told.
+        Returns a coroutine to await instead when the prompt is tokenized off the loop first, or
+        when the pool is saturated and the request waits for room (``klass``: its objective and
+        fairness ID). Raises :class:`~extproc.errors.RequestError` for what the client should be told.
         """
         catalog = self._catalog()
         if request is None:
@@ -111,15 +144,63 @@ class RequestControl:
         route = _resolve(catalog, request)
         matcher = self.scheduler.prefix
         if matcher is not None and matcher.tokenizes_first(route, request):
-            return self._route_tokenized(catalog, route, request, subset)
-        return self._lease(self.scheduler.decide(catalog, route, request, subset))
+            return self._route_tokenized(catalog, route, request, subset, klass)
+        try:
+            return self._lease(self.scheduler.decide(catalog, route, request, subset))
+        except Saturated as saturated:
+            return self._wait_for_room(saturated, catalog, route, request, subset, klass, None)
 
     async def _route_tokenized(
-        self, catalog: Catalog, route: Route, request: InferenceRequest, subset: frozenset[str] | None
+        self,
+        catalog: Catalog,
+        route: Route,
+        request: InferenceRequest,
+        subset: frozenset[str] | None,
+        klass: RequestClass | None,
     ) -> RoutedRequest:
         assert self.scheduler.prefix is not None
         tokenized = await self.scheduler.prefix.prompt_tokens(route, request, catalog)
-        return self._lease(self.scheduler.decide(catalog, route, request, subset, tokenized))
+        try:
+            return self._lease(self.scheduler.decide(catalog, route, request, subset, tokenized))
+        except Saturated as saturated:
+            return await self._wait_for_room(saturated, catalog, route, request, subset, klass, tokenized)
+
+    def _wait_for_room(
+        self,
+        saturated: Saturated,
+        catalog: Catalog,
+        route: Route,
+        request: InferenceRequest,
+        subset: frozenset[str] | None,
+        klass: RequestClass | None,
+        tokenized: Tokenized | None,
+    ) -> Coroutine[Any, Any, RoutedRequest]:
+        """The wait of a request whose pool is saturated; raises the 429 at once when it may not wait."""
+        klass = klass or RequestClass()
+        objective = None if klass.objective is None else catalog.objective(klass.objective, route)
+        priority = 0 if objective is None else objective.priority
+        if priority < 0 or not self.flow.enabled:
+            raise self.flow.refuse(saturated, priority)
+        prompt = saturated.prompt_tokens
+        if prompt is None:
+            prompt = len(request.body) // BYTES_PER_TOKEN
+        cost = prompt + (request.max_tokens or TYPICAL_OUTPUT_TOKENS)
+        held_at = self._clock()
+
+        def attempt() -> RoutedRequest:
+            # Decided afresh: the catalog, the load and the engines have all moved on meanwhile.
+            now = self._catalog()
+            decision = self.scheduler.decide(now, _resolve(now, request), request, subset, tokenized)
+            return self._lease(decision, waited=self._clock() - held_at)
+
+        return self.flow.hold(
+            route.worker_sets,
+            attempt,
+            priority=priority,
+            flow=klass.fairness_id or DEFAULT_FAIRNESS_ID,
+            cost=cost,
+            why=saturated.message,
+        )
 
     def decide(self, request: InferenceRequest | None, subset: frozenset[str] | None = None) -> Decision:
         """What :meth:`route` would pick now (the prompt tokenized inline), without leasing it:
@@ -128,7 +209,7 @@ class RequestControl:
         route = None if request is None else _resolve(catalog, request)
         return self.scheduler.decide(catalog, route, request, subset)
 
-    def _lease(self, decision: Decision) -> RoutedRequest:
+    def _lease(self, decision: Decision, waited: float = 0.0) -> RoutedRequest:
         tokens, seconds = decision.prefill
         lease = self.acquire(
             decision.pick.address,
@@ -136,7 +217,7 @@ class RequestControl:
             prefill_tokens=tokens,
             prefill_seconds=seconds,
         )
-        return RoutedRequest(self, decision, lease, self.handover.offer(lease))
+        return RoutedRequest(self, decision, lease, self.handover.offer(lease), waited)
 
     def models(self) -> list[tuple[str, str]]:
         """Every client-facing model name with the upstream name it resolves to, sorted."""

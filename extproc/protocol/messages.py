@@ -6,12 +6,12 @@ and the wire details are tested once.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from google.protobuf import struct_pb2
 
-from extproc.errors import RequestError
+from extproc.errors import Overloaded, RequestError
 from extproc.openai import error_body
 from extproc.pb.envoy.config.core.v3 import base_pb2 as core
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -180,16 +180,22 @@ def streamed_body(body: bytes, *, end_of_stream: bool) -> Iterator[ep.Processing
 
 
 def immediate_response(
-    status: int, body: bytes, *, content_type: str = "application/json", details: str = ""
+    status: int,
+    body: bytes,
+    *,
+    content_type: str = "application/json",
+    details: str = "",
+    headers: Mapping[str, str] | None = None,
 ) -> ep.ProcessingResponse:
     """End the request here with an HTTP answer of our own."""
     response = ep.ProcessingResponse()
     immediate = response.immediate_response
     immediate.status.code = status  # type: ignore[assignment]  # open enum: any HTTP code
-    option = immediate.headers.set_headers.add()
-    option.header.key = "content-type"
-    option.header.raw_value = content_type.encode()
-    option.append_action = _OVERWRITE
+    for key, value in {"content-type": content_type, **(headers or {})}.items():
+        option = immediate.headers.set_headers.add()
+        option.header.key = key
+        option.header.raw_value = value.encode()
+        option.append_action = _OVERWRITE
     immediate.body = body
     immediate.details = details
     return response
@@ -198,7 +204,8 @@ def immediate_response(
 def error_response(error: RequestError) -> ep.ProcessingResponse:
     """The one mapping from our request errors to what the client sees (OpenAI error shape)."""
     body = error_body(error.message, error_type=error.error_type, code=error.code, param=error.param)
-    return immediate_response(error.status, body, details=f"extproc_{error.code}")
+    headers = {"retry-after": str(error.retry_after)} if isinstance(error, Overloaded) else None
+    return immediate_response(error.status, body, details=f"extproc_{error.code}", headers=headers)
 
 
 def internal_error_response(request_id: str) -> ep.ProcessingResponse:

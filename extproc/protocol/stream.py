@@ -23,6 +23,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeAlias
 
+from extproc.control.flow import DEFAULT_FAIRNESS_ID, MAX_FAIRNESS_ID, RequestClass
 from extproc.errors import BadRequest, BodyTooLarge, ModelNotFound, Overloaded, RequestError
 from extproc.openai import (
     INFERENCE_PATHS,
@@ -50,6 +51,11 @@ log = logging.getLogger(__name__)
 MODEL_HEADER = "x-gateway-model-name"
 #: vLLM routes a request carrying this header to that data-parallel rank (0.10+).
 DP_RANK_HEADER = "x-data-parallel-rank"
+#: The InferenceObjective a request names (its priority when the pool is saturated), as the llm-d
+#: router reads it, then the Gateway API Inference Extension's older name.
+OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
+#: Who the request is fair to (a tenant), likewise; absent: one shared default.
+FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
 _FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
 _NO_BODY = pm.ProcessingMode.NONE
 #: Messages Envoy never sends are logged once a minute per kind, whoever sends them.
@@ -98,6 +104,11 @@ class Routed(Protocol):
     def retried_away(self) -> None:
         """Envoy gave up on the pick and retried elsewhere."""
 
+    @property
+    def waited(self) -> float:
+        """Seconds it waited for room in a saturated pool (not part of the decision's time)."""
+        ...
+
 
 #: A routing outcome: at once, or once the prompt is tokenized off the event loop.
 Outcome: TypeAlias = Routed | Coroutine[Any, Any, Routed]
@@ -106,7 +117,9 @@ Outcome: TypeAlias = Routed | Coroutine[Any, Any, Routed]
 class Router(Protocol):
     """What a stream needs from the routing side (defined here, by its consumer)."""
 
-    def route(self, request: InferenceRequest | None, subset: frozenset[str] | None) -> Outcome:
+    def route(
+        self, request: InferenceRequest | None, subset: frozenset[str] | None, klass: RequestClass | None
+    ) -> Outcome:
         """Decide and lease for ``request`` (None: a bodiless request); raises ``RequestError``."""
         ...
 
@@ -232,7 +245,7 @@ class RequestStream:
             # clients to send to a pod of our choosing; only reads pass without a model.
             raise BadRequest(f"{method} {path} needs a JSON body with a 'model' field")
         started = time.perf_counter()
-        return self._when_routed(self._router.route(None, self._subset), None, b"", started, True)
+        return self._when_routed(self._router.route(None, self._subset, None), None, b"", started, True)
 
     def _on_request_body(self, body: ep.HttpBody) -> Responses | Pending:
         if self._done:
@@ -267,7 +280,22 @@ class RequestStream:
         self._metrics.body_bytes.observe(len(body))
         parsed = parse_request(body, path=self._path)
         return self._when_routed(
-            self._router.route(parsed, self._subset), parsed, body, started, end_of_stream
+            self._router.route(parsed, self._subset, self._request_class()),
+            parsed,
+            body,
+            started,
+            end_of_stream,
+        )
+
+    def _request_class(self) -> RequestClass | None:
+        """The objective and fairness ID the request's headers name (None: neither)."""
+        headers = self._headers
+        objective = next((v for h in OBJECTIVE_HEADERS if (v := headers.get(h))), None)
+        fairness = next((v for h in FAIRNESS_HEADERS if (v := headers.get(h))), None)
+        if objective is None and fairness is None:
+            return None
+        return RequestClass(
+            objective=objective, fairness_id=fairness[:MAX_FAIRNESS_ID] if fairness else DEFAULT_FAIRNESS_ID
         )
 
     def _when_routed(
@@ -353,7 +381,7 @@ class RequestStream:
             response = messages.routed_headers_response(destination, extra=extra)
         else:
             response = messages.routed_body_response(destination, body=body, extra=extra)
-        self._metrics.decision_seconds.observe(time.perf_counter() - started)
+        self._metrics.decision_seconds.observe(time.perf_counter() - started - routed.waited)
         self._metrics.requests.labels("routed").inc()
         if log.isEnabledFor(logging.DEBUG):  # the hot path: no escaping work unless it is logged
             log.debug(

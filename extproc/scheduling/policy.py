@@ -48,6 +48,10 @@ class Candidate:
     pending_prefills: int = 0
     #: Prompt tokens right after ``cached_tokens`` held on an offload tier (CPU, storage).
     lower_tier_tokens: int = 0
+    #: Of our requests there, how many ended since ``signals`` were scraped: the engine's counts
+    #: are that much too high now (saturation reads them net of it, so a seat that frees is seen
+    #: at once, not a scrape later).
+    ended_since_scrape: int = 0
 
 
 class Prediction(NamedTuple):
@@ -65,7 +69,8 @@ class Prediction(NamedTuple):
     uncached_tokens: int
     #: ``max(in_flight, running + waiting)``: requests the endpoint holds, all ranks.
     load: int
-    #: The endpoint's queue is at its profile's ``queue_limit``.
+    #: The endpoint has no room: its queue is at its profile's ``queue_limit``, or its KV cache at
+    #: ``kv_cache_limit`` (:func:`~extproc.scheduling.predictor.is_saturated`).
     saturated: bool
     #: Prefill tokens the prediction charges (``ahead + max(uncached, 1)``): ``ttft_s`` holds
     #: ``work_tokens / prefill_tokens_per_s`` seconds of compute, the rest is step costs and waits

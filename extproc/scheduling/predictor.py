@@ -35,9 +35,13 @@ them: a request lands on one rank):
 ``step(N) / 2 + U / rate + ceil(U / (B - N)) x step(N)``, again the simulator's for an arrival
 mid-step.
 
-**Saturation**: with a ``queue_limit`` ``L``, an endpoint is saturated when ``load >= d x S + L``
-(its queue already holds ``L`` requests: ours would be beyond the limit). Saturated candidates rank
-last; when all are saturated the request should be shed (429): :attr:`Ranking.shed`.
+**Saturation** (:func:`is_saturated`): with a ``queue_limit`` ``L``, an endpoint is saturated when
+``now >= d x S + L``, where ``now = max(in_flight, r0 + w0 - ended)`` and ``ended`` counts our
+requests there that ended since the scrape (its queue already holds ``L`` requests: ours would be
+beyond the limit; a seat that frees is seen at once, not a scrape later). With a ``kv_cache_limit``
+``K`` it is saturated too while the scraped KV-cache use is at least ``K`` and none of our requests
+there ended since. Saturated candidates rank last; when all are saturated the request should wait
+for room or be shed (429): :attr:`Ranking.shed`, :mod:`extproc.control.flow`.
 
 **Affinity yields to load by construction**: a cached prefix only shrinks ``U``; every request
 queued or prefilling ahead adds ``T / rate`` plus its share of steps, and every queued request past
@@ -109,7 +113,7 @@ def predict(request: RequestFacts, candidate: Candidate, profile: Profile) -> Pr
         w0 = max(0, signals.waiting or 0)
         ranks = signals.data_parallel_size
     load = max(candidate.in_flight, r0 + w0)
-    saturated = p.queue_limit is not None and load >= ranks * p.max_num_seqs + p.queue_limit
+    saturated = (p.queue_limit is not None or p.kv_cache_limit is not None) and is_saturated(candidate, p)
 
     S, B = p.max_num_seqs, p.max_num_batched_tokens
     if signals is None and candidate.pending_prefill_tokens is not None:
@@ -143,6 +147,28 @@ def predict(request: RequestFacts, candidate: Candidate, profile: Profile) -> Pr
     ttft = work / p.prefill_tokens_per_s + stepped
     spent = p.prefill_work_weight * max(uncached, 1) / p.prefill_tokens_per_s
     return Prediction(ttft, uncached, load, saturated, work_tokens=work, step_s=stepped, cost_s=ttft + spent)
+
+
+def is_saturated(candidate: Candidate, profile: Profile) -> bool:
+    """The endpoint has no room for one more request (module docstring, *Saturation*)."""
+    signals, ended = candidate.signals, candidate.ended_since_scrape
+    limit = profile.queue_limit
+    if limit is not None:
+        ranks = 1
+        scraped = 0
+        if signals is not None:
+            ranks = signals.data_parallel_size
+            scraped = max(0, signals.running or 0) + max(0, signals.waiting or 0) - ended
+        if max(candidate.in_flight, scraped) >= ranks * profile.max_num_seqs + limit:
+            return True
+    kv = profile.kv_cache_limit
+    return (
+        kv is not None
+        and signals is not None
+        and ended == 0
+        and signals.kv_cache_usage is not None
+        and signals.kv_cache_usage >= kv
+    )
 
 
 class PredictedTTFT:

@@ -24,7 +24,10 @@ File format (``--profiles PATH``)::
         max_num_seqs: 256               # >= 1, vLLM --max-num-seqs (running batch cap)
         max_num_batched_tokens: 8192    # >= max_num_seqs, vLLM --max-num-batched-tokens
         queue_limit: 32                 # optional, >= 0: waiting requests per endpoint beyond
-                                        # which it is saturated (all saturated -> 429); null = never
+                                        # which it is saturated (all saturated -> queue or 429,
+                                        # docs/flow-control.md); null = never
+        kv_cache_limit: 0.95            # optional, 0-1: saturated too while the engine's scraped
+                                        # KV-cache use is at least this; null = never
         lower_tier_hit_weight: 0.8      # 0-1: a CPU-tier cached token's worth vs a GPU one
         prefill_work_weight: 2.0        # >= 0: each second of prefill compute a pick spends
                                         # counts this much against it, besides its TTFT; 0 ranks
@@ -91,6 +94,9 @@ class Profile:
     max_num_batched_tokens: int = 8192
     #: Waiting requests per endpoint beyond which it is saturated; None: never saturated.
     queue_limit: int | None = None
+    #: Scraped KV-cache use (0-1, the fullest rank) at or beyond which an endpoint is saturated
+    #: too; None: KV-cache use never saturates.
+    kv_cache_limit: float | None = None
     #: What a lower-tier (CPU, storage) cached token is worth relative to a GPU one, 0-1.
     lower_tier_hit_weight: float = 0.8
     #: Ranking charges each pick ``prefill_work_weight x uncached prompt tokens / prefill_tokens_per_s``
@@ -126,6 +132,7 @@ _FLOATS = {
     "decode_per_seq_ms",
     "lower_tier_hit_weight",
     "prefill_work_weight",
+    "kv_cache_limit",
 }
 _INTS = {
     "max_num_seqs",
@@ -135,13 +142,15 @@ _INTS = {
     "typical_output_tokens",
 }
 _KEYS = tuple(f.name for f in fields(Profile))
+#: Keys whose null means "off".
+_OPTIONAL = {"queue_limit", "kv_cache_limit"}
 
 
 def _check(p: Profile) -> tuple[str, str] | None:
     """The first invalid field as (key, message), or None."""
     for name in _KEYS:
         value = getattr(p, name)
-        if name == "queue_limit" and value is None:
+        if name in _OPTIONAL and value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int | float):
             return name, f"must be a number, got {value!r}"
@@ -165,6 +174,8 @@ def _check(p: Profile) -> tuple[str, str] | None:
         )
     if p.queue_limit is not None and p.queue_limit < 0:
         return "queue_limit", f"must be >= 0 or null, got {p.queue_limit!r}"
+    if p.kv_cache_limit is not None and not 0 < p.kv_cache_limit <= 1:
+        return "kv_cache_limit", f"must be above 0 and at most 1, or null, got {p.kv_cache_limit!r}"
     if not 0 <= p.lower_tier_hit_weight <= 1:
         return "lower_tier_hit_weight", f"must be between 0 and 1, got {p.lower_tier_hit_weight!r}"
     return None

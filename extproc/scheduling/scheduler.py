@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from extproc.catalog.model import Catalog, Endpoint, Route
-from extproc.errors import NoReadyEndpoint, Overloaded
+from extproc.errors import NoReadyEndpoint, Saturated
 from extproc.openai import InferenceRequest
 from extproc.scheduling.candidates import choose
 from extproc.scheduling.engine_signals import EngineSignals
@@ -83,6 +83,10 @@ class Load(Protocol):
 
     def pending_prefill(self, address: EndpointAddress) -> tuple[int, int]:
         """(uncached prompt tokens, requests) routed to ``address`` whose prefill should still run."""
+        ...
+
+    def ended_since_scrape(self, address: EndpointAddress) -> int:
+        """Requests at ``address`` that ended since the engine was last scraped."""
         ...
 
     def least_loaded(self, k: int, among: AbstractSet[EndpointAddress]) -> list[EndpointAddress]:
@@ -156,9 +160,10 @@ class Scheduler:
             facts = RequestFacts(route.upstream_model, context.prefix.prompt_tokens, context.max_tokens)
             ranking = self.policy.rank(facts, self._candidates(endpoints, context.prefix), self._rng)
             if ranking.shed:
-                raise Overloaded(
+                raise Saturated(
                     f"every endpoint serving model '{route.client_name}' is saturated (running batch and "
-                    "queue limit full); retry shortly"
+                    "queue limit full, or KV cache at its limit)",
+                    prompt_tokens=context.prefix.prompt_tokens,
                 )
         picked = tuple(c.endpoint for c in ranking.candidates[: self._count])
         decision = Decision(route, picked, context.prefix, ranking.prediction)
@@ -180,6 +185,7 @@ class Scheduler:
                     pending_prefill_tokens=tokens,
                     pending_prefills=requests,
                     lower_tier_tokens=match.lower_tier_tokens.get(e.address, 0),
+                    ended_since_scrape=load.ended_since_scrape(e.address),
                 )
             )
         return candidates

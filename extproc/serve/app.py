@@ -19,6 +19,7 @@ from extproc.admin import AdminRunner, admin_app, start_admin
 from extproc.catalog.discovered import apply_discovery
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore, take_apart
+from extproc.control.flow import FlowMetrics
 from extproc.control.load import LoadView
 from extproc.control.requests import RequestControl
 from extproc.engines.discovery import ModelDiscovery
@@ -102,7 +103,11 @@ class Server(StartStop):
             # Without scrapes nothing would notice the endpoint come back: it is not routed around.
             on_unreachable=self.scraper.connection_failed if scraping else None,
             on_retried_away=self.scraper.retried_away if scraping else None,
+            flow=settings.flow,
+            flow_metrics=FlowMetrics(self.metrics.registry),
         )
+        # Room may appear with a scrape or a new catalog (a lease's end wakes the queues itself).
+        self.store.subscribe(lambda _catalog: self.control.flow.wake())
         self.budget = BodyBudget(settings.max_buffered_bytes)
         self.stream_options = StreamOptions(settings.max_body_bytes, self.budget, settings.decision_headers)
         self.metrics.registry.register(CatalogCollector(lambda: self.store.current, self.load.snapshot))
@@ -203,6 +208,7 @@ class Server(StartStop):
     def _scraped(self, address: EndpointAddress, signals: EngineSignals) -> None:
         self.calibration.scraped(address, signals)
         self.load.engine_queue(address, (signals.running or 0) + (signals.waiting or 0))
+        self.control.flow.wake()
 
     def _prune_load_order(self, catalog: Catalog) -> None:
         self.load.keep_endpoints({e.address for ws in catalog.worker_sets.values() for e in ws.endpoints})

@@ -27,7 +27,7 @@ from extproc.catalog.model import Catalog
 from extproc.catalog.resources import SERVICE_NAME_LABEL, Resource
 from extproc.kube.client import ApiClient, KubeSettings, api_client
 from extproc.kube.reflector import Reflector, ReflectorOptions
-from extproc.kube.resources import ENDPOINT_SLICES, SERVICES, WORKER_SETS
+from extproc.kube.resources import ENDPOINT_SLICES, INFERENCE_OBJECTIVES, SERVICES, WORKER_SETS
 from extproc.kube.wire import RawObject
 from extproc.settings import SourceSettings
 from extproc.sources.file import ReloadOutcome
@@ -35,8 +35,8 @@ from extproc.sources.objects import ObjectKey, Parsed, ProblemLog, VersionKey, c
 
 logger = logging.getLogger(__name__)
 
-#: What the catalog is built from.
-RESOURCE_TYPES = (WORKER_SETS, SERVICES, ENDPOINT_SLICES)
+#: What the catalog is built from (InferenceObjectives only where the cluster has their CRD).
+RESOURCE_TYPES = (WORKER_SETS, SERVICES, ENDPOINT_SLICES, INFERENCE_OBJECTIVES)
 
 
 class KubeSource:
@@ -141,10 +141,12 @@ class KubeSource:
 
     def _build(self) -> Catalog | None:
         """The catalog of the objects now known; None if it equals the last one or the build failed."""
-        worker_sets, services, slices = (r.objects for r in self.reflectors)
+        worker_sets, services, slices, objectives = (r.objects for r in self.reflectors)
         objects = [obj for reflector in self.reflectors for obj in reflector.objects.values()]
         try:
-            inputs = build_inputs(worker_sets.values(), services.values(), slices.values())
+            inputs = build_inputs(
+                worker_sets.values(), services.values(), slices.values(), objectives.values()
+            )
             if inputs == self._inputs:
                 self.skipped += 1
                 return None
@@ -181,13 +183,16 @@ class KubeSource:
 
 
 def build_inputs(
-    worker_sets: Iterable[RawObject], services: Iterable[RawObject], slices: Iterable[RawObject]
+    worker_sets: Iterable[RawObject],
+    services: Iterable[RawObject],
+    slices: Iterable[RawObject],
+    objectives: Iterable[RawObject] = (),
 ) -> dict[tuple[str, str, str], object]:
     """What a build reads, per object: equal inputs give an equal catalog, so no build is needed.
 
-    A worker set counts by ``generation`` (the API server moves it on spec changes, not on status
-    writes) and the metadata the parser reads; a Service or EndpointSlice by its resourceVersion,
-    and only if some worker set in its namespace refers to it.
+    A worker set or an InferenceObjective counts by ``generation`` (the API server moves it on
+    spec changes, not on status writes) and the metadata the parser reads; a Service or
+    EndpointSlice by its resourceVersion, and only if some worker set in its namespace refers to it.
     """
     inputs: dict[tuple[str, str, str], object] = {}
     referenced: set[tuple[str, str]] = set()
@@ -205,6 +210,12 @@ def build_inputs(
         ref = spec.get("serviceRef") if isinstance(spec, Mapping) else None
         if isinstance(ref, Mapping) and isinstance(ref.get("name"), str):
             referenced.add((namespace, ref["name"]))
+    for obj in objectives:
+        meta = obj["metadata"]
+        inputs["objective", meta.get("namespace", ""), meta["name"]] = (
+            meta.get("generation") or meta["resourceVersion"],
+            meta.get("deletionTimestamp"),
+        )
     for kind, objects in (("svc", services), ("slice", slices)):
         for obj in objects:
             meta = obj["metadata"]

@@ -20,6 +20,7 @@ from extproc.catalog.build import build_catalog
 from extproc.catalog.model import Catalog, ObjectProblem
 from extproc.catalog.resources import (
     EndpointSlice,
+    InferenceObjective,
     InferenceWorkerSet,
     InvalidObject,
     Resource,
@@ -69,6 +70,7 @@ def compile_objects(
         [r for r in resources if isinstance(r, Service)],
         [r for r in resources if isinstance(r, EndpointSlice)],
         problems,
+        [r for r in resources if isinstance(r, InferenceObjective)],
     )
     return Compiled(catalog, valid, seen)
 

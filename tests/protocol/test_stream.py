@@ -357,6 +357,7 @@ class _Routed:
         self._router = router
         self.decision = decision
         self.token = "t"
+        self.waited = 0.0
 
     def response_started(self) -> None:
         pass
@@ -379,7 +380,9 @@ class _RankedRouter:
         self.unreachable_reports: list[EndpointAddress] = []
         self.retried_away_reports: list[EndpointAddress] = []
 
-    def route(self, request: InferenceRequest | None, subset: frozenset[str] | None = None) -> _Routed:
+    def route(
+        self, request: InferenceRequest | None, subset: frozenset[str] | None = None, klass: object = None
+    ) -> _Routed:
         route = _catalog().resolve("llama-3-8b")
         assert route is not None
         pick = route.endpoints[0]

@@ -61,12 +61,14 @@ async def test_serve_with_missing_kubeconfig_exits_2(tmp_path: Path) -> None:
     assert "nope: not found" in output and "Traceback" not in output
 
 
-def test_watches_worker_sets_services_and_slices() -> None:
-    """The catalog is built from exactly these three resource types, in these API versions."""
-    assert [(r.api_version, r.plural) for r in RESOURCE_TYPES] == [
-        ("kinference.buoyant.io/v1alpha1", "inferenceworkersets"),
-        ("v1", "services"),
-        ("discovery.k8s.io/v1", "endpointslices"),
+def test_watches_worker_sets_services_slices_and_objectives() -> None:
+    """The catalog is built from exactly these resource types, in these API versions; a cluster
+    without the InferenceObjective CRD is fine (optional)."""
+    assert [(r.api_version, r.plural, r.optional) for r in RESOURCE_TYPES] == [
+        ("kinference.buoyant.io/v1alpha1", "inferenceworkersets", False),
+        ("v1", "services", False),
+        ("discovery.k8s.io/v1", "endpointslices", False),
+        ("inference.networking.x-k8s.io/v1alpha2", "inferenceobjectives", True),
     ]
 
 
