@@ -265,7 +265,8 @@ class FlowControl(Generic[T]):
                 retry_after=self.settings.retry_after,
                 code="sheddable",
             )
-        return Overloaded(saturated.message, retry_after=self.settings.retry_after, code="saturated")
+        # Without a queue, room comes back when some request ends: soon, on the scale of a second.
+        return Overloaded(saturated.message, retry_after=1, code="saturated")
 
     async def hold(
         self, pool: Hashable, attempt: Callable[[], T], *, priority: int, flow: str, cost: int, why: str

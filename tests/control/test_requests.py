@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 from protocol.test_stream import _catalog, _endpoint
 
-from extproc.catalog.model import Catalog, Endpoint, Route
+from extproc.catalog.model import Catalog, Endpoint, Objective, Route
+from extproc.control.flow import RequestClass
 from extproc.control.load import LoadView
 from extproc.control.requests import RequestControl, RoutedRequest
 from extproc.errors import ModelNotFound, Overloaded
@@ -20,7 +21,8 @@ from extproc.scheduling.predictor import PredictedTTFT
 from extproc.scheduling.prefix import NO_MATCH, PrefixMatch, Tokenized
 from extproc.scheduling.profiles import DEFAULT
 from extproc.scheduling.scheduler import Decision, Scheduler
-from extproc.types import EndpointAddress
+from extproc.settings import FlowSettings
+from extproc.types import EndpointAddress, WorkerSetKey
 
 CHAT = "/v1/chat/completions"
 
@@ -62,7 +64,9 @@ class SlowTokenizer:
 class World:
     """Request control over a real scheduler, load view and catalog the test may swap."""
 
-    def __init__(self, *, prefix: object = None, policy: object = None) -> None:
+    def __init__(
+        self, *, prefix: object = None, policy: object = None, flow: FlowSettings | None = None
+    ) -> None:
         self.catalog = _catalog()
         self.load = LoadView()
         self.decisions: list[Decision] = []
@@ -74,7 +78,9 @@ class World:
             prefix=prefix,  # type: ignore[arg-type]
             hooks=(self.decisions.append,),
         )
-        self.control = RequestControl(catalog=lambda: self.catalog, scheduler=self.scheduler, load=self.load)
+        self.control = RequestControl(
+            catalog=lambda: self.catalog, scheduler=self.scheduler, load=self.load, flow=flow
+        )
 
 
 def routed_now(outcome: RoutedRequest | Coroutine[object, object, RoutedRequest]) -> RoutedRequest:
@@ -159,3 +165,60 @@ def test_the_accounting_stream_claims_the_routed_lease_so_it_counts_once() -> No
     assert world.load.total == 1
     world.control.release(held)
     assert world.load.total == 0
+
+
+def one_seat_each() -> PredictedTTFT:
+    return PredictedTTFT(lambda _e: replace(DEFAULT, queue_limit=0, max_num_seqs=1))
+
+
+def with_objectives(catalog: Catalog, **priorities: int) -> Catalog:
+    pool = WorkerSetKey("default/llama")
+    return replace(
+        catalog, objectives={name: (Objective("default", name, p, pool),) for name, p in priorities.items()}
+    )
+
+
+async def test_a_saturated_pool_holds_requests_until_a_lease_ends_then_by_priority() -> None:
+    """With flow control on, the third request waits instead of getting 429; when a request ends,
+    the waiting one of the highest priority (its objective's) is decided and leased."""
+    world = World(policy=one_seat_each(), flow=FlowSettings(max_queue=4, queue_timeout=30))
+    world.catalog = with_objectives(world.catalog, interactive=10, batch=0)
+    first = routed_now(world.control.route(chat()))
+    routed_now(world.control.route(chat()))
+    batch = asyncio.ensure_future(world.control.route(chat(), None, RequestClass("batch", "t1")))  # type: ignore[arg-type]
+    interactive = asyncio.ensure_future(
+        world.control.route(chat(), None, RequestClass("interactive", "t2"))  # type: ignore[arg-type]
+    )
+    await asyncio.sleep(0.01)
+    assert not batch.done() and not interactive.done()
+    assert world.load.total == 2, "a waiting request holds no lease"
+    first.stream_ended()  # its seat frees
+    routed = await asyncio.wait_for(interactive, 1)
+    assert routed.decision.pick.address == first.decision.pick.address
+    assert routed.waited > 0
+    assert not batch.done()
+    routed.stream_ended()
+    assert (await asyncio.wait_for(batch, 1)).lease.endpoint == first.decision.pick.address
+
+
+async def test_a_negative_priority_is_refused_at_once_while_saturated() -> None:
+    """Sheddable: 429 with Retry-After, never queued; an unknown objective counts as priority 0."""
+    world = World(policy=one_seat_each(), flow=FlowSettings(max_queue=4, queue_timeout=3))
+    world.catalog = with_objectives(world.catalog, scavenger=-1)
+    routed_now(world.control.route(chat()))
+    routed_now(world.control.route(chat()))
+    with pytest.raises(Overloaded) as refused:
+        world.control.route(chat(), None, RequestClass("scavenger"))
+    assert refused.value.code == "sheddable" and refused.value.retry_after == 3
+    unknown = world.control.route(chat(), None, RequestClass("no-such-objective"))
+    assert isinstance(unknown, Coroutine), "priority 0: it waits"
+    unknown.close()
+
+
+def test_without_flow_control_a_saturated_pool_answers_429_at_once() -> None:
+    world = World(policy=one_seat_each())
+    routed_now(world.control.route(chat()))
+    routed_now(world.control.route(chat()))
+    with pytest.raises(Overloaded) as refused:
+        world.control.route(chat(), None, RequestClass("anything"))
+    assert refused.value.code == "saturated" and refused.value.retry_after == 1
