@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -79,6 +80,8 @@ class ServeProcess:
     launcher: Sequence[str] = ("-m", "extproc")
     grpc_port: int = field(default_factory=free_port)
     admin_port: int = field(default_factory=free_port)
+    #: Extra environment (e.g. ``PYTHONPATH`` of another checkout, for a before/after run).
+    env: Mapping[str, str] | None = None
     proc: asyncio.subprocess.Process | None = None
 
     @property
@@ -93,6 +96,7 @@ class ServeProcess:
             "--tokenizer", self.tokenizer, *self.extra_args,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=self.log if self.log is not None else asyncio.subprocess.DEVNULL,
+            env=None if self.env is None else {**os.environ, **self.env},
         )  # fmt: skip
         await wait_http(f"{self.admin_url}/readyz")
 

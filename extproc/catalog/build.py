@@ -67,9 +67,9 @@ def build_catalog(
     routes, conflicts = build_routes(built.values())
     problems = list(problems)
     named: dict[str, list[Objective]] = {}
-    for o in sorted(
-        {(o.namespace, o.name): o for o in objectives}.values(), key=lambda o: (o.namespace, o.name)
-    ):
+    # One objective per namespace/name: the llm-d.ai one over a legacy one of the same name.
+    chosen = {(o.namespace, o.name): o for o in sorted(objectives, key=lambda o: not o.legacy)}
+    for o in sorted(chosen.values(), key=lambda o: (o.namespace, o.name)):
         pool = WorkerSetKey(f"{o.namespace}/{o.pool}")
         if pool not in built:
             detail = f"spec.poolRef.name: no InferenceWorkerSet {pool}; requests naming it get priority 0"

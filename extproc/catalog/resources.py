@@ -25,8 +25,11 @@ from extproc.errors import ExtprocError
 from extproc.types import ENGINE_KINDS, EngineKind, ModelName, WorkerSetKey
 
 WORKER_SET_API = "kinference.buoyant.io/v1alpha1"
-#: The Gateway API Inference Extension's InferenceObjective (now kept by llm-d-router, storage version).
-OBJECTIVE_API = "inference.networking.x-k8s.io/v1alpha2"
+#: InferenceObjective, as the llm-d router serves it since its 2026-06 move (llm-d-router #1449)...
+OBJECTIVE_API = "llm-d.ai/v1alpha2"
+#: ... and in the Gateway API Inference Extension's group it came from. Where one name exists in
+#: both, the llm-d.ai one is used, as the llm-d router does.
+LEGACY_OBJECTIVE_API = "inference.networking.x-k8s.io/v1alpha2"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 _MAX_MODELS, _MAX_ALIASES, _MAX_MODEL_NAME = 64, 32, 512
 _INTERVAL_PATTERN = r"^([0-9]{1,5}(h|m|s|ms)){1,4}$"
@@ -126,6 +129,8 @@ class InferenceObjective:
     priority: int
     #: ``spec.poolRef.name``: an InferenceWorkerSet in the objective's namespace.
     pool: str
+    #: From the older ``inference.networking.x-k8s.io`` group.
+    legacy: bool = False
 
 
 Resource = InferenceWorkerSet | Service | EndpointSlice | InferenceObjective
@@ -409,7 +414,8 @@ _INT32 = 2**31
 
 @_naming("InferenceObjective")
 def parse_objective(obj: Mapping[str, Any]) -> InferenceObjective:
-    """An unset priority is 0, as upstream's endpoint picker reads it; ``poolRef.name`` is required."""
+    """An unset priority is 0, as upstream's endpoint picker reads it; ``poolRef.name`` is required
+    (its group and kind are not read: the name is matched to an InferenceWorkerSet)."""
     namespace, name, _ = _metadata(obj)
     spec = fields.mapping(obj.get("spec"), "spec", required=True)
     priority = spec.get("priority")
@@ -419,6 +425,7 @@ def parse_objective(obj: Mapping[str, Any]) -> InferenceObjective:
         name=name,
         priority=0 if priority is None else fields.integer(priority, "spec.priority", -_INT32, _INT32 - 1),
         pool=fields.string(ref.get("name"), "spec.poolRef.name", required=True, max_len=253),
+        legacy=obj.get("apiVersion") == LEGACY_OBJECTIVE_API,
     )
 
 
@@ -427,4 +434,5 @@ _PARSERS: dict[tuple[str, str], Callable[[Mapping[str, Any]], Resource]] = {
     ("v1", "Service"): parse_service,
     ("discovery.k8s.io/v1", "EndpointSlice"): parse_endpoint_slice,
     (OBJECTIVE_API, "InferenceObjective"): parse_objective,
+    (LEGACY_OBJECTIVE_API, "InferenceObjective"): parse_objective,
 }

@@ -50,8 +50,12 @@ class ResourceType:
 WORKER_SETS = ResourceType("kinference.buoyant.io", "v1alpha1", "inferenceworkersets", "InferenceWorkerSet")
 SERVICES = ResourceType("", "v1", "services", "Service")
 ENDPOINT_SLICES = ResourceType("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice")
-#: Optional: clusters without the Gateway API Inference Extension's CRDs have none.
+#: Optional: clusters without the llm-d router's CRDs have none (the group since 2026-06)...
 INFERENCE_OBJECTIVES = ResourceType(
+    "llm-d.ai", "v1alpha2", "inferenceobjectives", "InferenceObjective", optional=True
+)
+#: ... or the Gateway API Inference Extension's, where they came from.
+LEGACY_INFERENCE_OBJECTIVES = ResourceType(
     "inference.networking.x-k8s.io", "v1alpha2", "inferenceobjectives", "InferenceObjective", optional=True
 )
 HTTP_ROUTES = ResourceType("gateway.networking.k8s.io", "v1", "httproutes", "HTTPRoute", optional=True)

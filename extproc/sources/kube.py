@@ -27,7 +27,13 @@ from extproc.catalog.model import Catalog
 from extproc.catalog.resources import SERVICE_NAME_LABEL, Resource
 from extproc.kube.client import ApiClient, KubeSettings, api_client
 from extproc.kube.reflector import Reflector, ReflectorOptions
-from extproc.kube.resources import ENDPOINT_SLICES, INFERENCE_OBJECTIVES, SERVICES, WORKER_SETS
+from extproc.kube.resources import (
+    ENDPOINT_SLICES,
+    INFERENCE_OBJECTIVES,
+    LEGACY_INFERENCE_OBJECTIVES,
+    SERVICES,
+    WORKER_SETS,
+)
 from extproc.kube.wire import RawObject
 from extproc.settings import SourceSettings
 from extproc.sources.file import ReloadOutcome
@@ -36,7 +42,7 @@ from extproc.sources.objects import ObjectKey, Parsed, ProblemLog, VersionKey, c
 logger = logging.getLogger(__name__)
 
 #: What the catalog is built from (InferenceObjectives only where the cluster has their CRD).
-RESOURCE_TYPES = (WORKER_SETS, SERVICES, ENDPOINT_SLICES, INFERENCE_OBJECTIVES)
+RESOURCE_TYPES = (WORKER_SETS, SERVICES, ENDPOINT_SLICES, INFERENCE_OBJECTIVES, LEGACY_INFERENCE_OBJECTIVES)
 
 
 class KubeSource:
@@ -141,11 +147,14 @@ class KubeSource:
 
     def _build(self) -> Catalog | None:
         """The catalog of the objects now known; None if it equals the last one or the build failed."""
-        worker_sets, services, slices, objectives = (r.objects for r in self.reflectors)
+        worker_sets, services, slices, objectives, legacy = (r.objects for r in self.reflectors)
         objects = [obj for reflector in self.reflectors for obj in reflector.objects.values()]
         try:
             inputs = build_inputs(
-                worker_sets.values(), services.values(), slices.values(), objectives.values()
+                worker_sets.values(),
+                services.values(),
+                slices.values(),
+                [*objectives.values(), *legacy.values()],
             )
             if inputs == self._inputs:
                 self.skipped += 1
@@ -212,7 +221,7 @@ def build_inputs(
             referenced.add((namespace, ref["name"]))
     for obj in objectives:
         meta = obj["metadata"]
-        inputs["objective", meta.get("namespace", ""), meta["name"]] = (
+        inputs[obj.get("apiVersion", "objective"), meta.get("namespace", ""), meta["name"]] = (
             meta.get("generation") or meta["resourceVersion"],
             meta.get("deletionTimestamp"),
         )

@@ -19,6 +19,7 @@ from typing import Any
 from extproc.catalog.build import build_catalog
 from extproc.catalog.model import Catalog, ObjectProblem
 from extproc.catalog.resources import (
+    LEGACY_OBJECTIVE_API,
     EndpointSlice,
     InferenceObjective,
     InferenceWorkerSet,
@@ -84,7 +85,7 @@ def _admit(
     seen: dict[VersionKey, Parsed],
 ) -> None:
     """Add one object to ``valid``, or record why not (and what stays in use instead)."""
-    key = object_identity(obj) if isinstance(obj, Mapping) else ("(no kind)", "default", "(no name)")
+    key = _object_key(obj)
     version = _version_key(obj, key)
     outcome = parsed.get(version) if version is not None else None
     if outcome is None:
@@ -107,6 +108,17 @@ def _admit(
             ObjectProblem(*key, "defined more than once in the file; the last definition is used")
         )
     valid[key] = outcome
+
+
+def _object_key(obj: Any) -> ObjectKey:
+    """What stays the same object: a legacy InferenceObjective is not the llm-d.ai one of its name
+    (both may exist; the build prefers the latter), so its kind is named with its group."""
+    if not isinstance(obj, Mapping):
+        return ("(no kind)", "default", "(no name)")
+    kind, namespace, name = object_identity(obj)
+    if obj.get("apiVersion") == LEGACY_OBJECTIVE_API:
+        kind = f"{kind}.{LEGACY_OBJECTIVE_API.split('/')[0]}"
+    return kind, namespace, name
 
 
 def _parse(obj: Any) -> Parsed:

@@ -9,7 +9,13 @@ import pytest
 
 from extproc.catalog.build import build_catalog
 from extproc.catalog.model import Catalog, NameConflict, ObjectProblem
-from extproc.catalog.resources import EndpointSlice, InferenceWorkerSet, Service, parse_object
+from extproc.catalog.resources import (
+    EndpointSlice,
+    InferenceObjective,
+    InferenceWorkerSet,
+    Service,
+    parse_object,
+)
 from extproc.types import ModelName, WorkerSetKey
 
 
@@ -77,6 +83,7 @@ def build(*objects: dict[str, Any], problems: tuple[ObjectProblem, ...] = ()) ->
         [p for p in parsed if isinstance(p, Service)],
         [p for p in parsed if isinstance(p, EndpointSlice)],
         problems,
+        [p for p in parsed if isinstance(p, InferenceObjective)],
     )
 
 
@@ -559,3 +566,30 @@ def test_unknown_side_port_name_is_reported() -> None:
         'spec.kvEvents.port "zmq" is not a port name of EndpointSlice default/llama-a '
         "(names: http, kv, kv-replay, metrics)",
     )
+
+
+def test_objectives_join_their_worker_set_and_one_naming_none_is_a_problem() -> None:
+    """An objective applies to the routes of the set its poolRef names; the llm-d.ai one wins over a
+    legacy one of the same name; one naming no set is kept (the set may come) and reported."""
+    objectives = [
+        {
+            "apiVersion": f"{group}/v1alpha2",
+            "kind": "InferenceObjective",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"priority": priority, "poolRef": {"name": pool}},
+        }
+        for group, name, priority, pool in [
+            ("llm-d.ai", "premium", 10, "llama"),
+            ("inference.networking.x-k8s.io", "premium", 99, "llama"),
+            ("llm-d.ai", "orphan", 5, "missing"),
+        ]
+    ]
+    catalog = build(iws("llama"), svc("llama"), eps("llama-a", "llama", ["10.0.0.1"]), *objectives)
+    route = catalog.resolve("llama")
+    assert route is not None
+    premium = catalog.objective("premium", route)
+    assert premium is not None and (premium.priority, premium.pool) == (10, WorkerSetKey("default/llama"))
+    assert catalog.objective("orphan", route) is None
+    assert catalog.objective("nothing", route) is None
+    assert [(p.kind, p.name) for p in catalog.problems] == [("InferenceObjective", "orphan")]
+    assert "no InferenceWorkerSet default/missing" in catalog.problems[0].message

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 from typing import Any
 
 import pytest
 
 from extproc.catalog.model import ServedModel
 from extproc.catalog.resources import (
+    InferenceObjective,
     InferenceWorkerSet,
     InvalidObject,
     KvEvents,
@@ -439,3 +441,35 @@ def _dp_doc(annotations: dict[str, object] | None) -> dict[str, object]:
         "metadata": metadata,
         "spec": {"serviceRef": {"name": "llama", "port": 80}, "profile": "p", "kvBlockSize": 16},
     }
+
+
+def objective(spec: Any, *, group: str = "llm-d.ai") -> dict[str, Any]:
+    return {
+        "apiVersion": f"{group}/v1alpha2",
+        "kind": "InferenceObjective",
+        "metadata": {"name": "interactive", "namespace": "ml"},
+        "spec": spec,
+    }
+
+
+def test_inference_objectives_of_either_group_parse_with_priority_0_when_unset() -> None:
+    parsed = parse_object(objective({"priority": 10, "poolRef": {"group": "x", "name": "llama"}}))
+    assert parsed == InferenceObjective("ml", "interactive", 10, "llama")
+    legacy = parse_object(objective({"poolRef": {"name": "llama"}}, group="inference.networking.x-k8s.io"))
+    assert legacy == InferenceObjective("ml", "interactive", 0, "llama", legacy=True)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"priority": 1}, "spec.poolRef: required"),
+        ({"priority": "high", "poolRef": {"name": "llama"}}, "spec.priority: must be an integer"),
+        ({"priority": 2**31, "poolRef": {"name": "llama"}}, "spec.priority: must be an integer"),
+        ({"priority": True, "poolRef": {"name": "llama"}}, "spec.priority: must be an integer"),
+        ({"poolRef": {"kind": "InferencePool"}}, "spec.poolRef.name: required"),
+        (None, "spec: required"),
+    ],
+)
+def test_invalid_inference_objective_names_object_and_field(spec: Any, message: str) -> None:
+    with pytest.raises(InvalidObject, match=rf"^InferenceObjective ml/interactive: {re.escape(message)}"):
+        parse_object(objective(spec))

@@ -22,6 +22,7 @@ CLUSTER_ACCESS: dict[tuple[str, str], set[str]] = {
     ("", "services"): {"get", "list", "watch"},
     ("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"},
     ("gateway.networking.k8s.io", "httproutes"): {"get", "list", "watch"},
+    ("llm-d.ai", "inferenceobjectives"): {"get", "list", "watch"},
     ("inference.networking.x-k8s.io", "inferenceobjectives"): {"get", "list", "watch"},
 }
 #: ... and only in its own namespace (leader election).

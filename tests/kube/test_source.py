@@ -427,3 +427,68 @@ async def test_serve_keeps_routing_while_the_api_server_is_away(
 def _no_leftover_threads() -> Any:
     yield
     assert kube_threads() == [], "a reflector thread outlived its test"
+
+
+OBJECTIVE_CRDS = Path(__file__).with_name("inferenceobjective-crd.yaml")
+
+
+def objective(
+    namespace: str, name: str, priority: object, pool: str, *, legacy: bool = False
+) -> dict[str, Any]:
+    group = "inference.networking.x-k8s.io" if legacy else "llm-d.ai"
+    return {
+        "apiVersion": f"{group}/v1alpha2",
+        "kind": "InferenceObjective",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"priority": priority, "poolRef": {"name": pool}},
+    }
+
+
+async def test_inference_objectives_of_both_groups_reach_the_catalog_and_follow_edits(
+    kube_env: KubeEnv,
+) -> None:
+    """With the CRDs installed, objectives are watched: the llm-d.ai one wins over a legacy one of
+    the same name, a legacy-only one counts, a bad one is a problem, and an edit or a deletion is
+    seen."""
+    kube_env.apply_file(OBJECTIVE_CRDS)
+    kube_env.wait_crd("inferenceobjectives.llm-d.ai")
+    kube_env.wait_crd("inferenceobjectives.inference.networking.x-k8s.io")
+    ns = kube_env.new_namespace("objectives")
+    apply(
+        kube_env,
+        [
+            *cluster_objects(ns),
+            objective(ns, "interactive", 10, "llama"),
+            objective(ns, "interactive", 99, "llama", legacy=True),
+            objective(ns, "batch", -1, "llama", legacy=True),
+            objective(ns, "broken", "high", "llama"),
+        ],
+    )
+    async with watching(kube_env, [ns]) as (_source, published):
+
+        def priorities() -> dict[str, int]:
+            catalog = published.latest
+            if catalog is None:
+                return {}
+            return {name: found[0].priority for name, found in catalog.objectives.items()}
+
+        await eventually(
+            lambda: priorities() == {"interactive": 10, "batch": -1}, what="objectives", within=TIMEOUT
+        )
+        catalog = published.latest
+        assert catalog is not None
+        route = catalog.resolve("chat")
+        assert route is not None
+        found = catalog.objective("interactive", route)
+        assert found is not None and found.pool == WorkerSetKey(f"{ns}/llama")
+        assert any(
+            p.kind == "InferenceObjective" and p.name == "broken" and "spec.priority" in p.message
+            for p in catalog.problems
+        )
+        apply(kube_env, [objective(ns, "interactive", 5, "llama")])
+        await eventually(
+            lambda: priorities().get("interactive") == 5, what="an edited priority", within=TIMEOUT
+        )
+        kube_env.kubectl("delete", "inferenceobjectives.llm-d.ai", "interactive", "-n", ns)
+        # The legacy one of the same name is all that is left.
+        await eventually(lambda: priorities().get("interactive") == 99, what="a deletion", within=TIMEOUT)

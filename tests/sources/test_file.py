@@ -155,7 +155,7 @@ def test_bad_objects_are_reported_and_the_rest_loads(tmp_path: Path) -> None:
         "ops",
         "cfg",
         'apiVersion "v1" kind "ConfigMap" is not one of InferenceWorkerSet (kinference.buoyant.io/v1alpha1), '
-        "Service (v1), EndpointSlice (discovery.k8s.io/v1), "
+        "Service (v1), EndpointSlice (discovery.k8s.io/v1), InferenceObjective (llm-d.ai/v1alpha2), "
         "InferenceObjective (inference.networking.x-k8s.io/v1alpha2); skipped",
     )
     assert catalog.problems[1] == ObjectProblem(

@@ -68,6 +68,7 @@ def test_watches_worker_sets_services_slices_and_objectives() -> None:
         ("kinference.buoyant.io/v1alpha1", "inferenceworkersets", False),
         ("v1", "services", False),
         ("discovery.k8s.io/v1", "endpointslices", False),
+        ("llm-d.ai/v1alpha2", "inferenceobjectives", True),
         ("inference.networking.x-k8s.io/v1alpha2", "inferenceobjectives", True),
     ]
 
