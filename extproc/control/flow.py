@@ -36,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -255,6 +255,20 @@ class FlowControl(Generic[T]):
     def waiting(self) -> int:
         """Requests held now, all pools."""
         return sum(q.size for q in self._pools.values())
+
+    def debug_state(self) -> dict[str, Any]:
+        """For ``/debug/state``: the settings, and per pool the requests waiting by priority."""
+        return {
+            "maxQueue": self.settings.max_queue,
+            "queueTimeout": self.settings.queue_timeout,
+            "waiting": {
+                ",".join(map(str, pool)) if isinstance(pool, tuple) else str(pool): {
+                    str(priority): len(band) for priority, band in sorted(queue.bands.items(), reverse=True)
+                }
+                for pool, queue in self._pools.items()
+                if queue.size
+            },
+        }
 
     def refuse(self, saturated: Saturated, priority: int) -> Overloaded:
         """The 429 for a request that is not queued: sheddable, or queueing is off."""

@@ -303,6 +303,7 @@ class Server(StartStop):
             "catalog": self.store.current.to_debug(),
             "inflight": dict(sorted(self.load.snapshot().items())),
             "leaseHandover": self.control.handover.debug_state(),
+            "flowControl": self.control.flow.debug_state(),
             "prefix": self.prefix.debug_state(),
             "policy": self.scheduler.policy.name,
             "modelDiscovery": self.discovery.debug_state(),

@@ -66,6 +66,7 @@ async def test_higher_priority_goes_first_whatever_the_arrival_order() -> None:
     await settle()
     high = pool.hold("high", priority=10)
     await settle()
+    assert pool.flow.debug_state()["waiting"] == {"pool": {"10": 1, "0": 3}}
     await pool.free()
     assert pool.order == ["high"]
     await pool.free(3)
