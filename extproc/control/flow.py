@@ -252,6 +252,12 @@ class FlowControl(Generic[T]):
     def enabled(self) -> bool:
         return self.settings.max_queue > 0
 
+    def busy(self, pool: Hashable) -> bool:
+        """Requests are waiting in ``pool``: a newcomer queues behind them rather than take a seat
+        that freed a moment before their dispatch runs."""
+        queue = self._pools.get(pool)
+        return queue is not None and queue.size > 0
+
     def waiting(self) -> int:
         """Requests held now, all pools."""
         return sum(q.size for q in self._pools.values())
@@ -308,6 +314,7 @@ class FlowControl(Generic[T]):
         queue.push(waiter)
         self._count("queued")
         self._gauge(priority, 1)
+        self.wake()  # there may be room already (a newcomer behind waiters is queued unasked)
         waiter.timer = loop.call_later(
             self.settings.queue_timeout,
             self._shed,

@@ -145,6 +145,8 @@ class RequestControl:
         matcher = self.scheduler.prefix
         if matcher is not None and matcher.tokenizes_first(route, request):
             return self._route_tokenized(catalog, route, request, subset, klass)
+        if self.flow.busy(route.worker_sets):
+            return self._wait_for_room(_behind(route), catalog, route, request, subset, klass, None)
         try:
             return self._lease(self.scheduler.decide(catalog, route, request, subset))
         except Saturated as saturated:
@@ -160,6 +162,10 @@ class RequestControl:
     ) -> RoutedRequest:
         assert self.scheduler.prefix is not None
         tokenized = await self.scheduler.prefix.prompt_tokens(route, request, catalog)
+        if self.flow.busy(route.worker_sets):
+            return await self._wait_for_room(
+                _behind(route), catalog, route, request, subset, klass, tokenized
+            )
         try:
             return self._lease(self.scheduler.decide(catalog, route, request, subset, tokenized))
         except Saturated as saturated:
@@ -270,6 +276,13 @@ class RequestControl:
         if address not in self._addresses_of[1]:
             return None
         return self.acquire(address, prefill_tokens=prefill_tokens, prefill_seconds=prefill_seconds)
+
+
+def _behind(route: Route) -> Saturated:
+    """The verdict for a request that finds others of its pool waiting: it is not decided first."""
+    return Saturated(
+        f"every endpoint serving model '{route.client_name}' is saturated (requests are waiting)"
+    )
 
 
 def _resolve(catalog: Catalog, request: InferenceRequest) -> Route:

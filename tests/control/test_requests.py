@@ -222,3 +222,22 @@ def test_without_flow_control_a_saturated_pool_answers_429_at_once() -> None:
     with pytest.raises(Overloaded) as refused:
         world.control.route(chat(), None, RequestClass("anything"))
     assert refused.value.code == "saturated" and refused.value.retry_after == 1
+
+
+async def test_a_newcomer_queues_behind_waiting_requests_even_when_a_seat_just_freed() -> None:
+    """A seat that frees goes to the request that waited, not to one that arrives before the queue's
+    dispatch runs."""
+    world = World(policy=one_seat_each(), flow=FlowSettings(max_queue=4, queue_timeout=30))
+    first = routed_now(world.control.route(chat()))
+    routed_now(world.control.route(chat()))
+    waiting = asyncio.ensure_future(world.control.route(chat(), None, RequestClass(None, "early")))  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    first.stream_ended()  # a seat frees; the queue's dispatch is scheduled, not run yet
+    newcomer = world.control.route(chat(), None, RequestClass(None, "late"))
+    assert isinstance(newcomer, Coroutine), "the newcomer waits too"
+    late = asyncio.ensure_future(newcomer)
+    early = await asyncio.wait_for(waiting, 1)
+    assert early.lease.endpoint == first.lease.endpoint
+    assert not late.done()
+    early.stream_ended()
+    assert (await asyncio.wait_for(late, 1)).lease.endpoint == first.lease.endpoint
