@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine, provenance, record
 from stack import MODEL, ServeProcess, engines_started, gateway, write_catalog
 
+from extproc.demo.catalog import LocalObjective
 from extproc.gateway.process import EnvoyProcess
 
 HEAVY_TOKENS, LIGHT_TOKENS = 80, 160
@@ -54,18 +55,8 @@ NEVER_QUEUED_ROUNDS, NEVER_QUEUED_REQUESTS = 3, 200
 PHASE_S = 20.0
 ENGINE_ARGS = ("--max-num-seqs", "1", "--time-scale", "1", "--default-output-tokens", "16")
 LAG_LIMIT_S = 0.1
-OBJECTIVES = """
----
-apiVersion: llm-d.ai/v1alpha2
-kind: InferenceObjective
-metadata: {name: premium, namespace: default}
-spec: {priority: 10, poolRef: {name: llama}}
----
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferenceObjective
-metadata: {name: scavenger, namespace: default}
-spec: {priority: -1, poolRef: {name: llama}}
-"""
+#: A priority-10 objective in the llm-d router's group, and a sheddable one in the older GIE group.
+OBJECTIVES = (LocalObjective("premium", 10, "llama"), LocalObjective("scavenger", -1, "llama", legacy=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,8 +156,7 @@ async def pool(
 ) -> AsyncIterator[tuple[str, ServeProcess]]:
     """Two one-seat engines, serve (precise, scraping) and Envoy; yields (gateway URL, serve)."""
     async with engines_started(2, ENGINE_ARGS) as engines:
-        catalog = write_catalog(tmp / "catalog.yaml", engines)
-        catalog.write_text(catalog.read_text() + OBJECTIVES)
+        catalog = write_catalog(tmp / "catalog.yaml", engines, OBJECTIVES)
         limit = "" if queue_limit is None else f"\n    queue_limit: {queue_limit}"
         profiles = tmp / "profiles.yaml"
         profiles.write_text(f"profiles:\n  demo:\n    max_num_seqs: 1{limit}\n")

@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import aiohttp
 
-from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
+from extproc.demo.catalog import LocalObjective, LocalWorkerSet, catalog_yaml
 from extproc.gateway.config import load_config, render_config, shipped_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -135,8 +135,11 @@ async def engines_started(
         await asyncio.gather(*(e.stop() for e in engines))
 
 
-def write_catalog(path: Path, engines: Sequence[SimEngine]) -> Path:
-    """One worker set of :data:`MODEL` over ``engines``, declaring their KV-event ports."""
+def write_catalog(
+    path: Path, engines: Sequence[SimEngine], objectives: Sequence[LocalObjective] = ()
+) -> Path:
+    """One worker set of :data:`MODEL` over ``engines``, declaring their KV-event ports (and
+    ``objectives`` for it)."""
     path.write_text(
         catalog_yaml(
             [
@@ -146,7 +149,8 @@ def write_catalog(path: Path, engines: Sequence[SimEngine]) -> Path:
                     [e.address for e in engines],
                     kv_ports={e.address: (e.kv_port, e.replay_port) for e in engines},
                 )
-            ]
+            ],
+            objectives,
         )
     )
     return path

@@ -200,10 +200,12 @@ def parse_object(obj: Any) -> Resource:
     return parser(obj)
 
 
-_R = TypeVar("_R", InferenceWorkerSet, Service, EndpointSlice, InferenceObjective)
+_R = TypeVar("_R")
 
 
-def _naming(kind: str) -> Callable[[Callable[[Mapping[str, Any]], _R]], Callable[[Mapping[str, Any]], _R]]:
+def naming_object(
+    kind: str,
+) -> Callable[[Callable[[Mapping[str, Any]], _R]], Callable[[Mapping[str, Any]], _R]]:
     """Make a parser's :class:`FieldError` an :class:`InvalidObject` naming ``kind`` and the object."""
 
     def decorate(parse: Callable[[Mapping[str, Any]], _R]) -> Callable[[Mapping[str, Any]], _R]:
@@ -220,7 +222,7 @@ def _naming(kind: str) -> Callable[[Callable[[Mapping[str, Any]], _R]], Callable
     return decorate
 
 
-def _metadata(obj: Mapping[str, Any]) -> tuple[str, str, str | None]:
+def object_metadata(obj: Mapping[str, Any]) -> tuple[str, str, str | None]:
     """``(namespace, name, created)`` once the metadata every kind has is checked.
 
     ``created`` is ``metadata.creationTimestamp`` normalised to RFC 3339 UTC, or None if unset.
@@ -234,10 +236,10 @@ def _metadata(obj: Mapping[str, Any]) -> tuple[str, str, str | None]:
     return namespace, name, created
 
 
-@_naming("InferenceWorkerSet")
+@naming_object("InferenceWorkerSet")
 def parse_worker_set(obj: Mapping[str, Any]) -> InferenceWorkerSet:
     """Validate an InferenceWorkerSet against the CRD schema (status is ignored)."""
-    namespace, name, created = _metadata(obj)
+    namespace, name, created = object_metadata(obj)
     spec = fields.mapping(obj.get("spec"), "spec", required=True)
     ref = fields.mapping(spec.get("serviceRef"), "spec.serviceRef", required=True)
     discovery = fields.mapping(spec.get("modelDiscovery"), "spec.modelDiscovery")
@@ -329,10 +331,10 @@ def _parse_models(value: Any) -> tuple[ServedModel, ...]:
     return tuple(ServedModel(ModelName(m), tuple(a)) for m, a in aliases.items())
 
 
-@_naming("Service")
+@naming_object("Service")
 def parse_service(obj: Mapping[str, Any]) -> Service:
     """Only the ports matter: they map serviceRef.port to the EndpointSlice port name."""
-    namespace, name, _ = _metadata(obj)
+    namespace, name, _ = object_metadata(obj)
     spec = fields.mapping(obj.get("spec"), "spec")
     ports = []
     for i, item in enumerate(fields.array(spec.get("ports"), "spec.ports", 256)):
@@ -347,10 +349,10 @@ def parse_service(obj: Mapping[str, Any]) -> Service:
     return Service(namespace=namespace, name=name, ports=tuple(ports))
 
 
-@_naming("EndpointSlice")
+@naming_object("EndpointSlice")
 def parse_endpoint_slice(obj: Mapping[str, Any]) -> EndpointSlice:
     """Addresses are checked against ``addressType`` and normalised, so duplicates compare equal."""
-    namespace, name, _ = _metadata(obj)
+    namespace, name, _ = object_metadata(obj)
     address_type = fields.string(obj.get("addressType"), "addressType", required=True)
     if address_type not in ("IPv4", "IPv6", "FQDN"):
         detail = f'must be "IPv4", "IPv6" or "FQDN", got {fields.show(address_type)}'
@@ -412,11 +414,11 @@ def _parse_slice_endpoint(value: Any, path: str, address_type: str) -> SliceEndp
 _INT32 = 2**31
 
 
-@_naming("InferenceObjective")
+@naming_object("InferenceObjective")
 def parse_objective(obj: Mapping[str, Any]) -> InferenceObjective:
     """An unset priority is 0, as upstream's endpoint picker reads it; ``poolRef.name`` is required
     (its group and kind are not read: the name is matched to an InferenceWorkerSet)."""
-    namespace, name, _ = _metadata(obj)
+    namespace, name, _ = object_metadata(obj)
     spec = fields.mapping(obj.get("spec"), "spec", required=True)
     priority = spec.get("priority")
     ref = fields.mapping(spec.get("poolRef"), "spec.poolRef", required=True)

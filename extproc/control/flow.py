@@ -109,31 +109,21 @@ class FlowMetrics:
         self.served_tokens.labels(fairness_id).inc(tokens)
 
 
+@dataclass(eq=False, slots=True)
 class Waiter(Generic[T]):
     """One held request: its place in the order and the future its stream awaits."""
 
-    __slots__ = ("attempt", "cost", "flow", "future", "priority", "queued_at", "seq", "tag", "timer")
-
-    def __init__(
-        self,
-        attempt: Callable[[], T],
-        priority: int,
-        flow: str,
-        cost: int,
-        seq: int,
-        queued_at: float,
-        future: asyncio.Future[T],
-    ) -> None:
-        #: Decide and lease now; raises Saturated while there is no room.
-        self.attempt = attempt
-        self.priority = priority
-        self.flow = flow
-        self.cost = cost
-        self.seq = seq
-        self.queued_at = queued_at
-        self.future = future
-        self.tag = 0.0
-        self.timer: asyncio.TimerHandle | None = None
+    #: Decide and lease now; raises Saturated while there is no room.
+    attempt: Callable[[], T]
+    priority: int
+    flow: str
+    cost: int
+    seq: int
+    queued_at: float
+    future: asyncio.Future[T]
+    #: Its start tag in its band (set when queued).
+    tag: float = 0.0
+    timer: asyncio.TimerHandle | None = None
 
 
 class _Band(Generic[T]):

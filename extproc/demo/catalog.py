@@ -157,5 +157,28 @@ def kv_ports_of(pub_endpoint: str, replay_endpoint: str | None) -> tuple[int, in
     return port(pub_endpoint), None if not replay_endpoint else port(replay_endpoint)
 
 
-def catalog_yaml(worker_sets: Sequence[LocalWorkerSet]) -> str:
-    return yaml.safe_dump_all(catalog_documents(worker_sets), sort_keys=False)
+@dataclass(frozen=True, slots=True)
+class LocalObjective:
+    """An InferenceObjective for one of the local worker sets: a priority for requests naming it."""
+
+    name: str
+    priority: int
+    #: The worker set (``spec.poolRef.name``).
+    pool: str
+    #: The llm-d router's group, or (``legacy``) the Gateway API Inference Extension's.
+    legacy: bool = False
+    namespace: str = "default"
+
+    def document(self) -> dict[str, Any]:
+        group = "inference.networking.x-k8s.io" if self.legacy else "llm-d.ai"
+        return {
+            "apiVersion": f"{group}/v1alpha2",
+            "kind": "InferenceObjective",
+            "metadata": {"name": self.name, "namespace": self.namespace},
+            "spec": {"priority": self.priority, "poolRef": {"name": self.pool}},
+        }
+
+
+def catalog_yaml(worker_sets: Sequence[LocalWorkerSet], objectives: Sequence[LocalObjective] = ()) -> str:
+    documents = [*catalog_documents(worker_sets), *(o.document() for o in objectives)]
+    return yaml.safe_dump_all(documents, sort_keys=False)

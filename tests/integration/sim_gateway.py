@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +103,22 @@ def router_settings(catalog: Path, *, chat_template: str = "llama3", seed: int =
         drain_seconds=0.5,
         prefix=PrefixSettings(tokenizers=(TokenizerSpec(LLAMA, SHIPPED_TOKENIZER, chat_template),)),
     )
+
+
+async def serve_behind_envoy(
+    stack: contextlib.AsyncExitStack,
+    settings: ServeSettings,
+    engines: Sequence[SimServer],
+    envoy_gateway: Callable[..., Awaitable[Any]],
+) -> tuple[Server, Any]:
+    """``serve`` with ``settings`` (stopped with ``stack``) and real Envoy in front of ``engines``."""
+    server = Server(settings)
+    stack.push_async_callback(server.stop)
+    await server.start()
+    gateway = await envoy_gateway(
+        extproc_address=("127.0.0.1", server.grpc_port), pool=[("127.0.0.1", e.port) for e in engines]
+    )
+    return server, gateway
 
 
 def tokens(text: str) -> int:

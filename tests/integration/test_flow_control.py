@@ -18,25 +18,14 @@ from typing import Any
 
 import aiohttp
 
-from extproc.demo.catalog import catalog_yaml
+from extproc.demo.catalog import LocalObjective, catalog_yaml
 from extproc.serve.app import Server
 from extproc.settings import FlowSettings
 from extproc.sim.server import SimServer
 
-from .sim_gateway import ENGINE, LLAMA, engine_settings, router_settings, worker_set
+from .sim_gateway import ENGINE, LLAMA, engine_settings, router_settings, serve_behind_envoy, worker_set
 
-OBJECTIVES = """
----
-apiVersion: llm-d.ai/v1alpha2
-kind: InferenceObjective
-metadata: {name: premium, namespace: default}
-spec: {priority: 10, poolRef: {name: llama}}
----
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferenceObjective
-metadata: {name: scavenger, namespace: default}
-spec: {priority: -1, poolRef: {name: llama}}
-"""
+OBJECTIVES = (LocalObjective("premium", 10, "llama"), LocalObjective("scavenger", -1, "llama", legacy=True))
 
 
 @dataclasses.dataclass
@@ -57,18 +46,13 @@ async def one_seat_pool(
         )
         engines = [await stack.enter_async_context(SimServer(one_seat)) for _ in range(2)]
         catalog = tmp_path / "catalog.yaml"
-        catalog.write_text(catalog_yaml([worker_set(engines)]) + OBJECTIVES)
+        catalog.write_text(catalog_yaml([worker_set(engines)], OBJECTIVES))
         profiles = tmp_path / "profiles.yaml"
         profiles.write_text(
             f"profiles:\n  {worker_set(engines).profile}:\n    max_num_seqs: 1\n    queue_limit: 0\n"
         )
         settings = dataclasses.replace(router_settings(catalog), profiles=profiles, flow=flow)
-        server = Server(settings)
-        stack.push_async_callback(server.stop)
-        await server.start()
-        gateway = await envoy_gateway(
-            extproc_address=("127.0.0.1", server.grpc_port), pool=[("127.0.0.1", e.port) for e in engines]
-        )
+        server, gateway = await serve_behind_envoy(stack, settings, engines, envoy_gateway)
         session = await stack.enter_async_context(
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
         )

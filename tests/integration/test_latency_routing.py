@@ -31,6 +31,7 @@ from .sim_gateway import (
     filler_text,
     finished,
     router_settings,
+    serve_behind_envoy,
     worker_set,
     write_catalog,
 )
@@ -59,12 +60,7 @@ async def test_predicted_ttft_avoids_an_engine_busy_with_traffic_it_cannot_see(
         settings = dataclasses.replace(
             router_settings(catalog), policy="predicted-ttft", scrape_interval=0.05, decision_headers=True
         )
-        server = Server(settings)
-        stack.push_async_callback(server.stop)
-        await server.start()
-        gateway = await envoy_gateway(
-            extproc_address=("127.0.0.1", server.grpc_port), pool=[("127.0.0.1", e.port) for e in engines]
-        )
+        server, gateway = await serve_behind_envoy(stack, settings, engines, envoy_gateway)
         session = await stack.enter_async_context(
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20))
         )
@@ -152,12 +148,7 @@ async def test_a_profile_three_times_too_fast_is_calibrated_to_the_engines_speed
         settings = dataclasses.replace(
             router_settings(catalog), policy="predicted-ttft", profiles=profiles, scrape_interval=0.05
         )
-        server = Server(settings)
-        stack.push_async_callback(server.stop)
-        await server.start()
-        gateway = await envoy_gateway(
-            extproc_address=("127.0.0.1", server.grpc_port), pool=[("127.0.0.1", e.port) for e in engines]
-        )
+        server, gateway = await serve_behind_envoy(stack, settings, engines, envoy_gateway)
         session = await stack.enter_async_context(aiohttp.ClientSession())
         admin = f"http://127.0.0.1:{server.admin_port}"
 
