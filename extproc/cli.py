@@ -94,6 +94,17 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="--source kube: kubeconfig file (default: in-cluster credentials when running in a pod, "
         "else $KUBECONFIG or ~/.kube/config, as kubectl)",
     )
+    p.add_argument(
+        "--pool-name",
+        default=None,
+        help="--source kube: also be the endpoint picker of this InferencePool (its Ready pods, models "
+        "discovered from them; docs/inferencepool.md)",
+    )
+    p.add_argument(
+        "--pool-namespace",
+        default=_SOURCE["pool_namespace"],
+        help="the namespace of --pool-name",
+    )
     p.add_argument("--listen", default=_SERVE["listen"], help="gRPC ext_proc + health address")
     p.add_argument(
         "--admin-listen",
@@ -286,6 +297,8 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
             max_bytes=args.max_catalog_bytes,
             namespaces=args.namespaces,
             kubeconfig=args.kubeconfig,
+            pool_name=args.pool_name,
+            pool_namespace=args.pool_namespace,
         ),
         listen=args.listen,
         admin_listen=args.admin_listen,

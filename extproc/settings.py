@@ -66,6 +66,11 @@ class SourceSettings:
     #: ``kube``: a kubeconfig file; None = in-cluster credentials when ``KUBERNETES_SERVICE_HOST``
     #: is set, else ``$KUBECONFIG`` or ``~/.kube/config``, as kubectl picks them.
     kubeconfig: Path | None = None
+    #: ``kube``: the InferencePool this serve is the endpoint picker of (``--pool-name``), beside
+    #: the worker sets; None: worker sets only.
+    pool_name: str | None = None
+    #: Its namespace (``--pool-namespace``).
+    pool_namespace: str = "default"
 
     def __post_init__(self) -> None:
         if self.kind not in ("file", "kube"):
@@ -74,6 +79,17 @@ class SourceSettings:
             raise ConfigError("--source file:PATH needs a PATH")
         if self.kind == "file" and (self.namespaces is not None or self.kubeconfig is not None):
             raise ConfigError("--namespaces and --kubeconfig apply to --source kube only")
+        if self.pool_name is not None:
+            if self.kind != "kube":
+                raise ConfigError(
+                    "--pool-name needs --source kube (an InferencePool is read from the cluster)"
+                )
+            if not _DNS_LABEL.fullmatch(self.pool_namespace):
+                raise ConfigError(f"--pool-namespace: {self.pool_namespace!r} is not a namespace name")
+            if not _DNS_SUBDOMAIN.fullmatch(self.pool_name):
+                raise ConfigError(
+                    f"--pool-name: {self.pool_name!r} is not an object name (RFC 1123 subdomain)"
+                )
         if self.poll_interval <= 0:
             raise ConfigError(f"--source-poll-interval must be positive, got {self.poll_interval}")
         if self.max_bytes < 1:
@@ -89,11 +105,20 @@ class SourceSettings:
         namespaces: str | None = None,
         kubeconfig: Path | None = None,
         max_bytes: int = 16 * 1024 * 1024,
+        pool_name: str | None = None,
+        pool_namespace: str = "default",
     ) -> SourceSettings:
         """``file:PATH`` or ``kube``; ``namespaces`` is the ``--namespaces a,b`` text."""
         listed = parse_namespaces(namespaces)
         if spec == "kube":
-            return cls(kind="kube", namespaces=listed, kubeconfig=kubeconfig, poll_interval=poll_interval)
+            return cls(
+                kind="kube",
+                namespaces=listed,
+                kubeconfig=kubeconfig,
+                poll_interval=poll_interval,
+                pool_name=pool_name,
+                pool_namespace=pool_namespace,
+            )
         kind, sep, rest = spec.partition(":")
         if kind != "file" or not sep or not rest:
             raise ConfigError(f"--source: expected file:PATH or kube, got {spec!r}")
@@ -104,11 +129,13 @@ class SourceSettings:
             namespaces=listed,
             kubeconfig=kubeconfig,
             max_bytes=max_bytes,
+            pool_name=pool_name,
         )
 
 
 #: A namespace name: an RFC 1123 label.
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 @dataclass(frozen=True, slots=True)

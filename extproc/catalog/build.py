@@ -41,11 +41,16 @@ def build_catalog(
     slices: Iterable[EndpointSlice],
     problems: Iterable[ObjectProblem] = (),
     objectives: Iterable[InferenceObjective] = (),
+    pools: Iterable[WorkerSet] = (),
+    picks_for: WorkerSetKey | None = None,
 ) -> Catalog:
     """Build the routing table; equal inputs in any order give an equal Catalog.
 
     Objects are identified by namespace/name; if one appears twice, the later one is used. An
     objective whose pool is no worker set is kept (the set may come later) and said in problems.
+    ``pools`` are InferencePools already joined with their pods (:func:`~extproc.catalog.pools.join_pool`);
+    one named like a worker set is left out, with a problem. ``picks_for`` is the InferencePool
+    serve was told to pick for (``--pool-name``), present or not.
     """
     specs = {ws.key: ws for ws in worker_sets}
     services_by_name = {(s.namespace, s.name): s for s in services}
@@ -64,8 +69,15 @@ def build_catalog(
         )
         for key in sorted(specs)
     }
-    routes, conflicts = build_routes(built.values())
     problems = list(problems)
+    for joined in sorted(pools, key=lambda ws: ws.key):
+        if joined.key in built:
+            namespace, name = joined.key.split("/", 1)
+            detail = "an InferenceWorkerSet of the same name exists; the pool is not routed"
+            problems.append(ObjectProblem("InferencePool", namespace, name, detail))
+        else:
+            built[joined.key] = joined
+    routes, conflicts = build_routes(built.values())
     named: dict[str, list[Objective]] = {}
     # One objective per namespace/name: the llm-d.ai one over a legacy one of the same name.
     chosen = {(o.namespace, o.name): o for o in sorted(objectives, key=lambda o: not o.legacy)}
@@ -81,6 +93,7 @@ def build_catalog(
         conflicts=conflicts,
         problems=tuple(sorted(problems, key=lambda p: (p.kind, p.namespace, p.name, p.message))),
         objectives={name: tuple(found) for name, found in named.items()},
+        picks_for=picks_for,
     )
 
 

@@ -153,9 +153,28 @@ class Catalog:
     context_windows: Mapping[tuple[EndpointAddress, ModelName], int] = field(default_factory=dict)
     #: InferenceObjective name -> the objectives of that name (one per namespace, at most).
     objectives: Mapping[str, tuple[Objective, ...]] = field(default_factory=dict)
+    #: The InferencePool this serve is the endpoint picker of (``--pool-name``), whether or not
+    #: the cluster has it now; None: worker sets only.
+    picks_for: WorkerSetKey | None = None
 
     def resolve(self, client_name: str) -> Route | None:
         return self.routes.get(ModelName(client_name))
+
+    def unavailable(self) -> str | None:
+        """Why a model no route knows may still be one the pool serves (answer 503, not 404): the
+        pool serve picks for is missing, has no ready endpoint, or none has said what it serves."""
+        if self.picks_for is None:
+            return None
+        pool = self.worker_sets.get(self.picks_for)
+        if pool is None:
+            return f"InferencePool {self.picks_for} is not there (deleted, or not created yet)"
+        if not pool.endpoints:
+            return f"InferencePool {self.picks_for} has no ready endpoint"
+        if not pool.served:
+            return (
+                f"the endpoints of InferencePool {self.picks_for} have not said which models they serve yet"
+            )
+        return None
 
     def objective(self, name: str, route: Route) -> Objective | None:
         """The objective called ``name`` whose pool is one of ``route``'s worker sets, or None."""
@@ -199,6 +218,7 @@ class Catalog:
                 for named in self.objectives.values()
                 for o in named
             },
+            "picksFor": self.picks_for,
             "conflicts": [c.message() for c in self.conflicts],
             "problems": [
                 {

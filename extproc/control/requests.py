@@ -43,7 +43,7 @@ from extproc.control.flow import (
 )
 from extproc.control.handover import LeaseHandover
 from extproc.control.load import Lease, LoadView
-from extproc.errors import ModelNotFound, Saturated
+from extproc.errors import ModelNotFound, NoReadyEndpoint, Saturated
 from extproc.openai import InferenceRequest
 from extproc.scheduling.prefix import Tokenized
 from extproc.scheduling.scheduler import Decision, Scheduler, all_endpoints
@@ -287,6 +287,8 @@ def _behind(route: Route) -> Saturated:
 
 def _resolve(catalog: Catalog, request: InferenceRequest) -> Route:
     route = catalog.resolve(request.model)
+    if route is None and (why := catalog.unavailable()) is not None:
+        raise NoReadyEndpoint(f"{why}; the model '{clip(request.model, 256)}' may be served once it is")
     if route is None:
         # Clipped: the name is the client's, and may be a megabyte long.
         raise ModelNotFound(f"The model '{clip(request.model, 256)}' does not exist.", param="model")

@@ -25,6 +25,8 @@ class ResourceType:
     #: True for resources a cluster may not have (Gateway API CRDs): their absence (404) is a state
     #: to report and retry slowly, not an error.
     optional: bool = False
+    #: Only objects with these labels (the API's ``labelSelector``, ``k=v,k2=v2``); None: all.
+    label_selector: str | None = None
 
     @property
     def api_version(self) -> str:
@@ -59,4 +61,9 @@ LEGACY_INFERENCE_OBJECTIVES = ResourceType(
     "inference.networking.x-k8s.io", "v1alpha2", "inferenceobjectives", "InferenceObjective", optional=True
 )
 HTTP_ROUTES = ResourceType("gateway.networking.k8s.io", "v1", "httproutes", "HTTPRoute", optional=True)
+PODS = ResourceType("", "v1", "pods", "Pod")
+#: The Gateway API Inference Extension's pool (GA); optional: clusters without its CRD have none.
+INFERENCE_POOLS = ResourceType(
+    "inference.networking.k8s.io", "v1", "inferencepools", "InferencePool", optional=True
+)
 LEASES = ResourceType("coordination.k8s.io", "v1", "leases", "Lease")

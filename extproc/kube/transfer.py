@@ -158,6 +158,8 @@ def _open(
     call: Call,
 ) -> urllib3.BaseHTTPResponse:
     path = resource_type.path(namespace)
+    if resource_type.label_selector:
+        query = [*query, ("labelSelector", resource_type.label_selector)]
     response = get_stream(api, path, query, timeout=timeout)
     call.response = response  # before looking at `stopping`: see Call.abort
     if call.stopping.is_set():

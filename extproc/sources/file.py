@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from extproc.catalog.model import Catalog
-from extproc.catalog.resources import Resource, is_catalog_object, iter_objects
+from extproc.catalog.resources import is_catalog_object, iter_objects
 from extproc.errors import ConfigError, SourceError
 from extproc.settings import SourceSettings
-from extproc.sources.objects import Compiled, ObjectKey, ProblemLog, compile_objects
+from extproc.sources.objects import Compiled, Known, ObjectKey, ProblemLog, compile_objects
 from extproc.sources.yaml_load import load_documents
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class _Settling:
 _Outcome = _Read | _Failed | _Settling | tuple[_Read, Compiled] | None
 
 
-def compile_documents(data: bytes, previous: Mapping[ObjectKey, Resource], *, path: Path) -> Compiled:
+def compile_documents(data: bytes, previous: Mapping[ObjectKey, Known], *, path: Path) -> Compiled:
     """Parse the file's bytes and build a catalog; SourceError if the file as a whole is unusable.
 
     Unusable: broken YAML, an alias bomb, or no object this router reads at all (an empty file,
@@ -106,7 +106,7 @@ def _release(documents: list[Any]) -> None:
         documents.pop()
 
 
-def _release_objects(retired: list[dict[ObjectKey, Resource]]) -> None:
+def _release_objects(retired: list[dict[ObjectKey, Known]]) -> None:
     """Free replaced objects a few at a time in a worker thread (see ``_release``)."""
     while retired:
         objects = retired.pop()
@@ -207,11 +207,11 @@ class FileSource:
         self._applied: bytes | None = None  # digest of the content behind the current catalog
         #: Digest of the last content that failed to parse, and why: not parsed again each poll.
         self._rejected: tuple[bytes, str] | None = None
-        self._valid: dict[ObjectKey, Resource] = {}
+        self._valid: dict[ObjectKey, Known] = {}
         #: Digest of fresh content seen once; used if the next poll finds the same (see ``_check``).
         self._settling: bytes | None = None
         #: Replaced ``_valid`` dicts, freed off the event loop by ``watch``.
-        self._retired: list[dict[ObjectKey, Resource]] = []
+        self._retired: list[dict[ObjectKey, Known]] = []
         self._problems = ProblemLog(logger, f"path={self.path}")
 
     def load(self) -> Catalog:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from extproc.catalog.model import Catalog
-from extproc.catalog.resources import SERVICE_NAME_LABEL, Resource
+from extproc.catalog.resources import SERVICE_NAME_LABEL
 from extproc.kube.client import ApiClient, KubeSettings, api_client
 from extproc.kube.reflector import Reflector, ReflectorOptions
 from extproc.kube.resources import (
@@ -37,7 +37,8 @@ from extproc.kube.resources import (
 from extproc.kube.wire import RawObject
 from extproc.settings import SourceSettings
 from extproc.sources.file import ReloadOutcome
-from extproc.sources.objects import ObjectKey, Parsed, ProblemLog, VersionKey, compile_objects
+from extproc.sources.objects import Known, ObjectKey, Parsed, ProblemLog, VersionKey, compile_objects
+from extproc.sources.pool import PoolFollower
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,12 @@ class KubeSource:
             Reflector(self.api, kind, settings.namespaces, self._changed, options=options)
             for kind in RESOURCE_TYPES
         ]
+        #: The InferencePool of ``--pool-name`` and its Pods; None: worker sets only.
+        self.pool: PoolFollower | None = None
+        if settings.pool_name is not None:
+            self.pool = PoolFollower(
+                self.api, settings.pool_namespace, settings.pool_name, self._changed, options=options
+            )
         self.builds = self.published = self.builds_failed = 0
         #: Changes that left what the catalog is read from as it was (no build).
         self.skipped = 0
@@ -79,7 +86,7 @@ class KubeSource:
         #: A build that failed (a bug); the previous catalog stays in use.
         self.build_error: str | None = None
         self._stale = asyncio.Event()
-        self._valid: dict[ObjectKey, Resource] = {}
+        self._valid: dict[ObjectKey, Known] = {}
         self._parsed: dict[VersionKey, Parsed] = {}
         self._inputs: dict[tuple[str, str, str], object] | None = None
         self._catalog: Catalog | None = None
@@ -88,12 +95,13 @@ class KubeSource:
     @property
     def synced(self) -> bool:
         """Every resource type has been listed at least once."""
-        return all(r.synced for r in self.reflectors)
+        return all(r.synced for r in self.reflectors) and (self.pool is None or self.pool.synced)
 
     @property
     def last_error(self) -> str | None:
         """What currently keeps the source from being current (API errors first), or None."""
-        return next((r.last_error for r in self.reflectors if r.last_error), None) or self.build_error
+        reflectors = self.reflectors if self.pool is None else [*self.reflectors, *self.pool.reflectors]
+        return next((r.last_error for r in reflectors if r.last_error), None) or self.build_error
 
     async def watch(self, publish: Callable[[Catalog], None]) -> None:
         """Follow the cluster and publish each new catalog; runs until cancelled."""
@@ -101,6 +109,8 @@ class KubeSource:
             async with asyncio.TaskGroup() as group:
                 for reflector in self.reflectors:
                     group.create_task(reflector.run(), name=f"reflect-{reflector.resource_type.plural}")
+                if self.pool is not None:
+                    group.create_task(self.pool.run(), name="inferencepool")
                 group.create_task(self._publish_changes(publish), name="kube-catalog")
         finally:
             if self._owns_client:
@@ -118,6 +128,7 @@ class KubeSource:
             "skipped": self.skipped,
             "publishFailed": self.publish_failed,
             "resources": {r.resource_type.name: r.debug_state() for r in self.reflectors},
+            "inferencePool": None if self.pool is None else self.pool.debug_state(),
         }
 
     def _changed(self) -> None:
@@ -149,6 +160,7 @@ class KubeSource:
         """The catalog of the objects now known; None if it equals the last one or the build failed."""
         worker_sets, services, slices, objectives, legacy = (r.objects for r in self.reflectors)
         objects = [obj for reflector in self.reflectors for obj in reflector.objects.values()]
+        pool = self.pool
         try:
             inputs = build_inputs(
                 worker_sets.values(),
@@ -156,10 +168,14 @@ class KubeSource:
                 slices.values(),
                 [*objectives.values(), *legacy.values()],
             )
+            if pool is not None:
+                objects += pool.objects()
+                inputs.update(pool.inputs())
             if inputs == self._inputs:
                 self.skipped += 1
                 return None
-            compiled = compile_objects(objects, self._valid, self._parsed)
+            picks_for = None if pool is None else pool.key
+            compiled = compile_objects(objects, self._valid, self._parsed, picks_for=picks_for)
         except Exception as exc:
             # A validation gap is a bug, but it must not stop routing: keep the current catalog.
             logger.exception("catalog build failed (bug) source=kube")

@@ -12,12 +12,13 @@ resourceVersion moved are parsed again.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.catalog.build import build_catalog
 from extproc.catalog.model import Catalog, ObjectProblem
+from extproc.catalog.pools import POOL_API, InferencePool, Pod, join_pool, parse_pod, parse_pool
 from extproc.catalog.resources import (
     LEGACY_OBJECTIVE_API,
     EndpointSlice,
@@ -30,13 +31,20 @@ from extproc.catalog.resources import (
     object_identity,
     parse_object,
 )
+from extproc.types import WorkerSetKey
 
 #: (kind, namespace, name): what stays the same object across edits.
 ObjectKey = tuple[str, str, str]
 #: (kind, namespace, name, resourceVersion): one version of one object.
 VersionKey = tuple[str, str, str, str]
-#: What parsing one version gave: the resource, or why it cannot be used.
-Parsed = Resource | UnsupportedKind | InvalidObject
+#: An object a catalog is built from: a resource, or an InferencePool or a Pod (``--pool-name``).
+Known = Resource | InferencePool | Pod
+#: What parsing one version gave: the object, or why it cannot be used.
+Parsed = Known | UnsupportedKind | InvalidObject
+_POOL_PARSERS: dict[tuple[str, str], Callable[[Mapping[str, Any]], Known]] = {
+    (POOL_API, "InferencePool"): parse_pool,
+    ("v1", "Pod"): parse_pod,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,42 +52,48 @@ class Compiled:
     """A built catalog and the valid objects it came from (the next build's fallbacks)."""
 
     catalog: Catalog
-    valid: dict[ObjectKey, Resource]
+    valid: dict[ObjectKey, Known]
     #: Parse results of the objects that carry a resourceVersion, for the next build.
     parsed: dict[VersionKey, Parsed] = field(default_factory=dict)
 
 
 def compile_objects(
     objects: Iterable[Any],
-    previous: Mapping[ObjectKey, Resource],
+    previous: Mapping[ObjectKey, Known],
     parsed: Mapping[VersionKey, Parsed] | None = None,
+    *,
+    picks_for: WorkerSetKey | None = None,
 ) -> Compiled:
     """Parse every object and build the catalog; never raises for a bad object.
 
     ``previous`` holds the valid objects of the last build: an object that turned invalid keeps
     that version. An object given twice (possible in a file only) is used in its last version.
     ``parsed`` (the last build's) spares parsing objects whose resourceVersion did not move.
+    InferencePools are joined with the Pods given (``picks_for``: the pool ``--pool-name`` names).
     """
-    valid: dict[ObjectKey, Resource] = {}
+    valid: dict[ObjectKey, Known] = {}
     problems: list[ObjectProblem] = []
     seen: dict[VersionKey, Parsed] = {}
     for obj in objects:
         _admit(obj, previous, valid, problems, parsed or {}, seen)
     resources = list(valid.values())
+    pods = [r for r in resources if isinstance(r, Pod)]
     catalog = build_catalog(
         [r for r in resources if isinstance(r, InferenceWorkerSet)],
         [r for r in resources if isinstance(r, Service)],
         [r for r in resources if isinstance(r, EndpointSlice)],
         problems,
         [r for r in resources if isinstance(r, InferenceObjective)],
+        [join_pool(r, pods) for r in resources if isinstance(r, InferencePool)],
+        picks_for,
     )
     return Compiled(catalog, valid, seen)
 
 
 def _admit(
     obj: Any,
-    previous: Mapping[ObjectKey, Resource],
-    valid: dict[ObjectKey, Resource],
+    previous: Mapping[ObjectKey, Known],
+    valid: dict[ObjectKey, Known],
     problems: list[ObjectProblem],
     parsed: Mapping[VersionKey, Parsed],
     seen: dict[VersionKey, Parsed],
@@ -123,6 +137,13 @@ def _object_key(obj: Any) -> ObjectKey:
 
 def _parse(obj: Any) -> Parsed:
     try:
+        parser = (
+            _POOL_PARSERS.get((str(obj.get("apiVersion")), str(obj.get("kind"))))
+            if isinstance(obj, Mapping)
+            else None
+        )
+        if parser is not None:
+            return parser(obj)
         return parse_object(obj)
     except InvalidObject as exc:
         return exc.with_traceback(None)  # kept between builds: do not keep the frames too

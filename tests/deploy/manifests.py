@@ -20,10 +20,14 @@ def load(path: Path) -> list[Manifest]:
         return [doc for doc in yaml.safe_load_all(f) if doc is not None]
 
 
-def kustomization_resources() -> list[Path]:
-    """The files ``kubectl apply -k deploy/`` applies, in order."""
-    (kustomization,) = load(DEPLOY / "kustomization.yaml")
-    return [DEPLOY / name for name in kustomization["resources"]]
+def kustomization_resources(root: Path = DEPLOY) -> list[Path]:
+    """The files ``kubectl apply -k ROOT`` applies, in order (directories are kustomizations)."""
+    (kustomization,) = load(root / "kustomization.yaml")
+    files: list[Path] = []
+    for name in kustomization["resources"]:
+        path = (root / name).resolve()
+        files += kustomization_resources(path) if path.is_dir() else [path]
+    return files
 
 
 def base() -> list[Manifest]:

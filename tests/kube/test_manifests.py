@@ -287,3 +287,46 @@ def test_service_account_may_do_what_the_router_needs_and_no_more(
     """The API server's RBAC authorizer answers for the router's ServiceAccount as the manifests intend."""
     resolved = {k: v.replace("{ns}", router_namespace) for k, v in attributes.items()}
     assert _allowed(kube_env, router_namespace, resolved) is allowed
+
+
+POOL_CRD = Path(__file__).parent / "vendor" / "inference.networking.k8s.io_inferencepools.yaml"
+
+
+def test_the_inferencepool_overlay_applies_and_grants_exactly_pods_and_pools_in_its_namespace(
+    kube_env: KubeEnv,
+) -> None:
+    """deploy/inferencepool/ (kustomize) against the real InferencePool CRD: the pool is valid, its
+    endpointPickerRef names the picker's Service in its namespace, serve is told the pool, and the
+    ServiceAccount may read pods and pools there, and nothing more than the base allows elsewhere."""
+    kube_env.apply_file(POOL_CRD)
+    kube_env.wait_crd("inferencepools.inference.networking.k8s.io")
+    namespace = kube_env.new_namespace("pool-overlay")
+    built = kube_env.kubectl("kustomize", str(DEPLOY / "inferencepool")).stdout
+    docs = [_for_this_server(doc, namespace) for doc in yaml.safe_load_all(built) if doc]
+    kube_env.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([d for d in docs if d is not None]))
+    pool = json.loads(kube_env.kubectl("get", "inferencepool", "-n", namespace, "-o", "json").stdout)[
+        "items"
+    ][0]
+    ref = pool["spec"]["endpointPickerRef"]
+    service = json.loads(
+        kube_env.kubectl("get", "-n", namespace, f"service/{ref['name']}", "-o", "json").stdout
+    )
+    assert ref["port"]["number"] in {p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc"}
+    assert ref["failureMode"] == "FailClose"
+    deployment = json.loads(
+        kube_env.kubectl("get", "-n", namespace, "deployment/extproc", "-o", "json").stdout
+    )
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--pool-name") + 1] == pool["metadata"]["name"]
+    for resource, group in (("pods", ""), ("inferencepools", "inference.networking.k8s.io")):
+        for verb in ("get", "list", "watch"):
+            attributes = {"group": group, "resource": resource, "verb": verb, "namespace": namespace}
+            assert _allowed(kube_env, namespace, attributes), attributes
+        assert not _allowed(
+            kube_env,
+            namespace,
+            {"group": group, "resource": resource, "verb": "update", "namespace": namespace},
+        )
+        assert not _allowed(
+            kube_env, namespace, {"group": group, "resource": resource, "verb": "list", "namespace": "other"}
+        )
