@@ -47,7 +47,7 @@ IPS = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
 HTTP, KV, REPLAY = free_port(), free_port(), free_port()
 POOL_CRD = HERE.parent / "tests" / "kube" / "vendor" / "inference.networking.k8s.io_inferencepools.yaml"
 CONVERSATIONS, TURNS, CONCURRENCY = 24, 6, 6
-ROUNDS = 2
+ROUNDS = 4
 
 
 def worker_set_objects(ns: str) -> list[dict[str, Any]]:
@@ -286,7 +286,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         }
         async with engines() as addresses:
             for round_ in range(ROUNDS):
-                for name, arm_args in arms.items():
+                # AB BA AB BA: a drift over the run (it exists: the hit rate falls a few points from
+                # the first round to the last, whatever the arm) weighs on both arms alike.
+                order = list(arms.items()) if round_ % 2 == 0 else list(reversed(arms.items()))
+                for name, arm_args in order:
                     print(f"round {round_ + 1}: {name} ...", flush=True)
                     async with serve(env, arm_args, tmp) as (grpc_port, url, pid):
                         quality = await conversations(url, addresses)
@@ -310,7 +313,7 @@ def report(r: dict[str, Any]) -> str:
         provenance(r["machine"]),
         "",
         "`bench/inferencepool.py`: four simulated engines (precise routing: KV events), one `serve` per "
-        "arm on a real API server, arms alternated. Quality: "
+        "arm on a real API server, arms alternated AB BA AB BA. Quality: "
         f"{CONVERSATIONS} conversations x {TURNS} turns through Envoy, {CONCURRENCY} at a time, the "
         "engines' own prefix-cache hit rate. Decisions/s: the gRPC load client, 16 streams, 5 s.",
         "",
@@ -318,6 +321,14 @@ def report(r: dict[str, Any]) -> str:
         "p99 |",
         "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
+    for arm in dict.fromkeys(row["arm"] for row in r["rounds"]):
+        rows = [row for row in r["rounds"] if row["arm"] == arm]
+        hit = statistics.fmean(row["hit_rate"] for row in rows)
+        rate = statistics.fmean(row["load"]["per_s"] for row in rows)
+        lines.insert(
+            -2, f"- {arm}: mean hit rate {hit:.1%}, mean decisions/s {rate:.0f} over {len(rows)} runs."
+        )
+    lines.insert(-2, "")
     for row in r["rounds"]:
         load = row["load"]
         lines.append(
