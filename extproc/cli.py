@@ -195,6 +195,23 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="endpoints drawn at random, so none starves",
     )
     c.add_argument("--score-all-endpoints", action="store_true", help="score every endpoint of every pool")
+    r = p.add_argument_group(
+        "replicas",
+        "serve replicas that share their leases, so each counts the others' requests as load "
+        "(docs/operations.md#replicas)",
+    )
+    r.add_argument(
+        "--peer-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="where this replica publishes its leases to its peers (ZMQ); off by default",
+    )
+    r.add_argument(
+        "--peers",
+        default="",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the other replicas' --peer-listen addresses; only these are heard",
+    )
     q = p.add_argument_group(
         "flow control",
         "requests that find every endpoint of their pool saturated (the profile's queue_limit / "
@@ -321,6 +338,8 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
         malloc_trim_interval=args.malloc_trim_interval,
         scrape_interval=args.scrape_interval,
         decision_headers=args.decision_headers,
+        peer_listen=args.peer_listen,
+        peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
     )
 
 

@@ -329,10 +329,20 @@ class ServeSettings:
     #: Add ``x-extproc-*`` headers describing the decision to client responses. Off by default:
     #: they name pod addresses.
     decision_headers: bool = False
+    #: Peer sync (``--peer-listen``): where this replica publishes its leases; None: no peer sync.
+    peer_listen: str | None = None
+    #: The other replicas' ``--peer-listen`` addresses (``--peers``).
+    peers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         parse_host_port(self.listen, what="--listen")
         parse_host_port(self.admin_listen, what="--admin-listen")
+        if self.peer_listen is not None:
+            parse_host_port(self.peer_listen, what="--peer-listen")
+        for peer in self.peers:
+            parse_host_port(peer, what="--peers")
+        if self.peers and self.peer_listen is None:
+            raise ConfigError("--peers needs --peer-listen (peers hear this replica there)")
         if self.max_body_bytes < 1:
             raise ConfigError(f"--max-body-bytes must be at least 1, got {self.max_body_bytes}")
         if self.max_buffered_bytes < self.max_body_bytes:

@@ -37,8 +37,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "engines": frozenset({"catalog", "scheduling", "tokenize"}),
     "protocol": frozenset({"control", "scheduling", "pb"}),
     "serve": frozenset(
-        {"catalog", "control", "engines", "kvindex", "protocol", "scheduling", "sources", "tokenize"}
+        {"catalog", "control", "engines", "kvindex", "peers", "protocol", "scheduling", "sources", "tokenize"}
     ),
+    "peers": frozenset({"control"}),
     "reconcile": frozenset({"catalog", "kube"}),
     "sim": frozenset({"tokenize"}),
     "gateway": frozenset(),
@@ -52,7 +53,9 @@ ALLOWED: dict[str, frozenset[str]] = {
 ADAPTERS: dict[str, frozenset[str]] = {
     "grpc": frozenset({"protocol", "pb"}),
     "grpc_health": frozenset({"protocol"}),
-    "zmq": frozenset({"kvindex/subscriber.py", "kvindex/subscriptions.py", "sim/kv_publisher.py"}),
+    "zmq": frozenset(
+        {"kvindex/subscriber.py", "kvindex/subscriptions.py", "peers/sync.py", "sim/kv_publisher.py"}
+    ),
     "kubernetes": frozenset({"kube"}),
 }
 

@@ -14,7 +14,7 @@ order as leases come and go, and as scrapes report the engines' own queues.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Iterator, Mapping, Set
 from dataclasses import dataclass
 
 from extproc.control.load_order import LoadOrder
@@ -64,8 +64,10 @@ class LoadView:
         self._ordered: dict[int, Set[EndpointAddress]] = {}
         #: Per scraped endpoint: leases removed since its last scrape (the scrape still counts them).
         self._ended: dict[EndpointAddress, int] = {}
-        #: Called after each removal (flow control: a seat may have freed).
-        self.on_release: Callable[[Lease], None] | None = None
+        #: Told of each lease added (peer sync) and removed (peer sync; flow control: a seat may
+        #: have freed), after the view changed.
+        self.on_add: list[Callable[[Lease], None]] = []
+        self.on_release: list[Callable[[Lease], None]] = []
 
     def __contains__(self, key: LeaseKey) -> bool:
         return key in self._leases
@@ -85,6 +87,8 @@ class LoadView:
                 lease.prefill_tokens,
                 lease.prefill_until,
             )
+        for listener in self.on_add:
+            listener(lease)
 
     def remove(self, key: LeaseKey) -> Lease | None:
         """Stop counting the lease; the lease, or None when it was not held (removing twice is harmless)."""
@@ -102,8 +106,8 @@ class LoadView:
         ended = self._ended.get(lease.endpoint)
         if ended is not None:
             self._ended[lease.endpoint] = ended + 1
-        if self.on_release is not None:
-            self.on_release(lease)
+        for listener in self.on_release:
+            listener(lease)
         return lease
 
     def prefill_over(self, key: LeaseKey, endpoint: EndpointAddress | None = None) -> None:
@@ -164,9 +168,19 @@ class LoadView:
         for gone in self._ended.keys() - addresses:
             del self._ended[gone]
 
-    def snapshot(self) -> Mapping[EndpointAddress, int]:
-        """In-flight counts per endpoint, now."""
-        return dict(self._counts)
+    def snapshot(self, owner: Owner | None = None) -> Mapping[EndpointAddress, int]:
+        """In-flight counts per endpoint, now: every lease, or only ``owner``'s."""
+        if owner is None:
+            return dict(self._counts)
+        counts: dict[EndpointAddress, int] = {}
+        for lease in self._leases.values():
+            if lease.owner == owner:
+                counts[lease.endpoint] = counts.get(lease.endpoint, 0) + 1
+        return counts
+
+    def leases(self, owner: Owner) -> Iterator[Lease]:
+        """``owner``'s leases held now."""
+        return (lease for lease in list(self._leases.values()) if lease.owner == owner)
 
     @property
     def total(self) -> int:

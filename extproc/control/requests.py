@@ -122,7 +122,7 @@ class RequestControl:
             on_lost=lambda routed: routed.stream_ended(),
             clock=clock,
         )
-        load.on_release = lambda _lease: self.flow.wake()
+        load.on_release.append(lambda _lease: self.flow.wake())
 
     # -- the routing stream ---------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from extproc.serve.collectors import CalibrationCollector, CatalogCollector, Unk
 from extproc.serve.loop_lag import watch_loop_lag
 from extproc.serve.memory import GcWatch, bound_young_generation, freeze_startup_heap, trim_forever
 from extproc.serve.observed import observe_worker_sets
+from extproc.serve.peering import Peering
 from extproc.serve.prefix_routing import PrefixRouting
 from extproc.settings import ServeSettings, parse_host_port
 from extproc.sources.file import FileSource, ReloadOutcome
@@ -110,7 +111,17 @@ class Server(StartStop):
         self.store.subscribe(lambda _catalog: self.control.flow.wake())
         self.budget = BodyBudget(settings.max_buffered_bytes)
         self.stream_options = StreamOptions(settings.max_body_bytes, self.budget, settings.decision_headers)
-        self.metrics.registry.register(CatalogCollector(lambda: self.store.current, self.load.snapshot))
+        # This replica's own requests: peers' leases count in decisions, not in its in-flight gauge.
+        self.metrics.registry.register(
+            CatalogCollector(lambda: self.store.current, lambda: self.load.snapshot(self.control.owner))
+        )
+        self.peering = (
+            None
+            if settings.peer_listen is None
+            else Peering(
+                settings.peer_listen, settings.peers, self.load, self.control.owner, self.metrics.registry
+            )
+        )
         self.metrics.buffered_bytes.set_function(lambda: self.budget.held)
         self.metrics.registry.register(self.prefix.collector())
         self.grpc_port = 0
@@ -141,6 +152,8 @@ class Server(StartStop):
             self._declared = await asyncio.to_thread(self.source.load)
             self._republish()
         try:
+            if self.peering is not None:
+                self.peering.start()
             await self._start_grpc()
             await self._start_admin()
         except BaseException:
@@ -301,7 +314,8 @@ class Server(StartStop):
             "source": self.source.debug_state(),
             "catalogGeneration": self.store.generation,
             "catalog": self.store.current.to_debug(),
-            "inflight": dict(sorted(self.load.snapshot().items())),
+            "inflight": dict(sorted(self.load.snapshot(self.control.owner).items())),
+            "peers": [] if self.peering is None else self.peering.debug_state(),
             "leaseHandover": self.control.handover.debug_state(),
             "flowControl": self.control.flow.debug_state(),
             "prefix": self.prefix.debug_state(),
@@ -335,6 +349,8 @@ class Server(StartStop):
         """Stop taking streams, let open ones finish for ``drain_seconds``, then close."""
         for task in (self._watch, self._profile_poll, self._loop_lag, self._trim, self._young):
             await cancel_and_wait(task)
+        if self.peering is not None:
+            await self.peering.stop()
         if self._gc_watch is not None:
             self._gc_watch.uninstall()
         if self._froze_heap:  # for a serve run inside another program (tests): leave its heap as found

@@ -1,0 +1,281 @@
+"""Peers' leases in this replica's load view: what other ``serve`` replicas have routed and not finished.
+
+Each replica tells its peers about its own leases (:class:`LeaseFeed`): deltas as leases come and
+go, batched per few milliseconds, and a snapshot of all of them every :data:`SNAPSHOT_S` seconds,
+which heals anything a delta lost and doubles as a heartbeat. Each replica applies what its peers
+say (:class:`PeerLeases`) to the same :class:`~extproc.control.load.LoadView` as its own leases,
+under the peer's owner id, so decisions count them as load. A peer unheard for :data:`EXPIRY_S`
+seconds is dropped with its leases; a peer that restarts (a new owner id from the same address)
+replaces its old state at once. Memory is bounded whatever a peer sends: at most
+:data:`MAX_PEER_LEASES` leases per peer, strings and lists of bounded size, or the message is
+refused and counted.
+
+The wire format is msgpack (msgspec), one message per ZMQ frame; the transport is
+:mod:`extproc.peers`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import msgspec
+
+from extproc.control.load import Lease, LoadView
+from extproc.types import EndpointAddress
+
+#: Seconds between snapshots (and so heartbeats).
+SNAPSHOT_S = 0.5
+#: A peer silent this long is gone: its leases stop counting.
+EXPIRY_S = 2.0
+#: Leases one peer may hold in our view; a snapshot or delta beyond it is refused.
+MAX_PEER_LEASES = 65_536
+#: Seconds a delta waits to be sent with the next changes (one message per burst, not per lease).
+DELTA_BATCH_S = 0.005
+_MAX_TEXT = 512
+
+#: (number, endpoint, model, prefill tokens, seconds of prefill left) of one lease.
+WireLease = tuple[int, str, str, int, float]
+
+
+class Snapshot(msgspec.Struct, tag="snapshot", frozen=True):
+    """Every lease the sender holds now (also its heartbeat)."""
+
+    owner: str
+    seq: int
+    sent_at: float
+    leases: list[WireLease]
+
+
+class Delta(msgspec.Struct, tag="delta", frozen=True):
+    """Leases the sender took and ended since its last message."""
+
+    owner: str
+    seq: int
+    sent_at: float
+    added: list[WireLease]
+    removed: list[int]
+
+
+Message = Snapshot | Delta
+_DECODER = msgspec.msgpack.Decoder(Message)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+class PeerMessageError(ValueError):
+    """A peer's message that cannot be used; the message says why."""
+
+
+def decode(frame: bytes) -> Message:
+    """A peer's message, checked for size; raises :class:`PeerMessageError`."""
+    try:
+        message: Message = _DECODER.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise PeerMessageError(f"not a peer message: {exc}") from None
+    if not 0 < len(message.owner) <= 64:
+        raise PeerMessageError("owner must be 1-64 characters")
+    leases = message.leases if isinstance(message, Snapshot) else message.added
+    removed = [] if isinstance(message, Snapshot) else message.removed
+    if len(leases) > MAX_PEER_LEASES or len(removed) > MAX_PEER_LEASES:
+        raise PeerMessageError(f"more than {MAX_PEER_LEASES} leases in one message")
+    for _number, endpoint, model, _tokens, _seconds in leases:
+        if len(endpoint) > _MAX_TEXT or len(model) > _MAX_TEXT:
+            raise PeerMessageError(f"an endpoint or model name over {_MAX_TEXT} characters")
+    return message
+
+
+def encode(message: Message) -> bytes:
+    return _ENCODER.encode(message)
+
+
+@dataclass(slots=True)
+class Peer:
+    """What one configured peer told us last."""
+
+    address: str
+    owner: str | None = None
+    last_heard: float | None = None
+    seq: int = -1
+    #: Its leases as we count them: number -> our Lease (owner = the peer's id).
+    leases: dict[int, Lease] = field(default_factory=dict)
+    #: When its last message was sent (its clock), for the sync lag.
+    sent_at: float | None = None
+
+
+class PeerLeases:
+    """Every configured peer's leases, kept in ``load`` as leases of the peer's owner id."""
+
+    def __init__(
+        self,
+        load: LoadView,
+        addresses: tuple[str, ...],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        expiry_s: float = EXPIRY_S,
+    ) -> None:
+        self._load = load
+        self._clock = clock
+        self._wall = wall_clock
+        self._expiry = expiry_s
+        self.peers = {address: Peer(address) for address in addresses}
+        #: Messages applied and refused, by kind; the last sync lag (seconds) seen.
+        self.applied: dict[str, int] = {"snapshot": 0, "delta": 0}
+        self.refused = 0
+        self.lag_s: float | None = None
+
+    def receive(self, address: str, frame: bytes) -> None:
+        """Apply one frame from the peer at ``address``; a bad one is counted and dropped (raises
+        :class:`PeerMessageError` for the caller to log)."""
+        peer = self.peers.get(address)
+        if peer is None:
+            self.refused += 1
+            raise PeerMessageError(f"{address} is not a configured peer")
+        try:
+            message = decode(frame)
+        except PeerMessageError:
+            self.refused += 1
+            raise
+        if peer.owner is not None and message.owner != peer.owner:
+            self._forget(peer)  # it restarted: what the old process held is gone
+        peer.owner = message.owner
+        peer.last_heard = self._clock()
+        peer.sent_at = message.sent_at
+        self.lag_s = max(0.0, self._wall() - message.sent_at)
+        if isinstance(message, Snapshot):
+            self._snapshot(peer, message)
+        else:
+            self._delta(peer, message)
+        self.applied[type(message).__name__.lower()] += 1
+
+    def expire(self) -> list[str]:
+        """Drop the peers silent for longer than the expiry; returns their addresses."""
+        now = self._clock()
+        gone = []
+        for peer in self.peers.values():
+            if peer.last_heard is not None and now - peer.last_heard > self._expiry:
+                self._forget(peer)
+                peer.owner = peer.last_heard = None
+                gone.append(peer.address)
+        return gone
+
+    def connected(self, address: str) -> bool:
+        peer = self.peers[address]
+        return peer.last_heard is not None and self._clock() - peer.last_heard <= self._expiry
+
+    def debug_state(self) -> list[dict[str, object]]:
+        """``/debug/state`` -> ``peers``: per configured peer, connected, and its leases per endpoint."""
+        out: list[dict[str, object]] = []
+        for address, peer in sorted(self.peers.items()):
+            counts: dict[str, int] = {}
+            for lease in peer.leases.values():
+                counts[lease.endpoint] = counts.get(lease.endpoint, 0) + 1
+            out.append(
+                {
+                    "address": address,
+                    "connected": self.connected(address),
+                    "owner": peer.owner,
+                    "leases": dict(sorted(counts.items())),
+                }
+            )
+        return out
+
+    def _snapshot(self, peer: Peer, message: Snapshot) -> None:
+        wanted = {lease[0]: lease for lease in message.leases}
+        for number in [n for n in peer.leases if n not in wanted]:
+            self._load.remove(peer.leases.pop(number).key)
+        for number, wire in wanted.items():
+            if number not in peer.leases:
+                self._add(peer, wire)
+        peer.seq = message.seq
+
+    def _delta(self, peer: Peer, message: Delta) -> None:
+        # A delta older than the state we have (reordered after a snapshot) changes nothing a
+        # snapshot will not correct; apply what it says anyway: adds are idempotent, removes too.
+        for number in message.removed:
+            lease = peer.leases.pop(number, None)
+            if lease is not None:
+                self._load.remove(lease.key)
+        for wire in message.added:
+            if len(peer.leases) >= MAX_PEER_LEASES:
+                self.refused += 1
+                break
+            if wire[0] not in peer.leases:
+                self._add(peer, wire)
+        peer.seq = max(peer.seq, message.seq)
+
+    def _add(self, peer: Peer, wire: WireLease) -> None:
+        number, endpoint, model, tokens, seconds = wire
+        assert peer.owner is not None
+        until = self._clock() + seconds if tokens > 0 and seconds > 0 else 0.0
+        lease = Lease(peer.owner, number, EndpointAddress(endpoint), model, max(0, tokens), until)
+        peer.leases[number] = lease
+        self._load.add(lease)
+
+    def _forget(self, peer: Peer) -> None:
+        for lease in peer.leases.values():
+            self._load.remove(lease.key)
+        peer.leases.clear()
+        peer.seq = -1
+
+
+class LeaseFeed:
+    """This replica's own leases as peers should hear of them: pending deltas and snapshots."""
+
+    def __init__(
+        self,
+        owner: str,
+        leases: Callable[[], Iterator[Lease]],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.owner = owner
+        self._leases = leases
+        self._clock = clock
+        self._wall = wall_clock
+        self._seq = 0
+        self._added: dict[int, Lease] = {}
+        self._removed: list[int] = []
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._added or self._removed)
+
+    def added(self, lease: Lease) -> None:
+        if lease.owner == self.owner:
+            self._added[lease.number] = lease
+
+    def removed(self, lease: Lease) -> None:
+        if lease.owner != self.owner:
+            return
+        if self._added.pop(lease.number, None) is None:
+            self._removed.append(lease.number)
+
+    def delta(self) -> Delta:
+        """What changed since the last message (and forget it)."""
+        message = Delta(
+            self.owner,
+            self._next(),
+            self._wall(),
+            [self._wire(lease) for lease in self._added.values()],
+            self._removed,
+        )
+        self._added, self._removed = {}, []
+        return message
+
+    def snapshot(self) -> Snapshot:
+        """Every lease held now (pending deltas are in it, so they are dropped)."""
+        self._added, self._removed = {}, []
+        return Snapshot(
+            self.owner, self._next(), self._wall(), [self._wire(lease) for lease in self._leases()]
+        )
+
+    def _next(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _wire(self, lease: Lease) -> WireLease:
+        left = max(0.0, lease.prefill_until - self._clock()) if lease.prefill_until else 0.0
+        return (lease.number, lease.endpoint, lease.model, lease.prefill_tokens, round(left, 4))

@@ -1,0 +1,1 @@
+"""Peer sync between ``serve`` replicas over ZMQ (see :mod:`extproc.peers.sync`)."""

@@ -1,0 +1,94 @@
+"""Peer sync in ``serve``: this replica's leases to its peers, theirs into its load view.
+
+Built only with ``--peer-listen``; a single replica runs none of it. See
+:mod:`extproc.control.peers` (what is shared and how it expires) and :mod:`extproc.peers.sync`
+(the ZMQ transport and what protects it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from extproc.control.load import LoadView
+from extproc.control.peers import LeaseFeed, PeerLeases
+from extproc.peers.sync import PeerSync
+from extproc.tasks import cancel_and_wait
+
+
+class Peering:
+    """Owns the peer sync of one serve: ``start()`` binds and follows, ``stop()`` ends it."""
+
+    def __init__(
+        self, listen: str, peers: tuple[str, ...], load: LoadView, owner: str, registry: CollectorRegistry
+    ) -> None:
+        self.feed = LeaseFeed(owner, lambda: load.leases(owner))
+        self.peers = PeerLeases(load, peers)
+        self.frame_bytes = Histogram(
+            "extproc_peer_message_bytes",
+            "Size of the peer-sync messages this replica sent, by kind (snapshot, delta).",
+            ["kind"],
+            buckets=(64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304),
+            registry=registry,
+        )
+        self.sync = PeerSync(
+            listen,
+            self.feed,
+            self.peers,
+            on_sent=lambda kind, size: self.frame_bytes.labels(kind).observe(size),
+        )
+        load.on_add += [self.feed.added, self.sync.changed]
+        load.on_release += [self.feed.removed, self.sync.changed]
+        registry.register(PeerCollector(self))
+        self._task: asyncio.Task[None] | None = None
+        self.port = 0
+
+    def start(self) -> None:
+        self.port = self.sync.bind()
+        self._task = asyncio.create_task(self.sync.run(), name="peer-sync")
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._task)
+
+    def debug_state(self) -> list[dict[str, object]]:
+        return self.peers.debug_state()
+
+
+class PeerCollector(Collector):
+    """Peers connected, messages in and out, refusals and the last sync lag, at scrape time."""
+
+    def __init__(self, peering: Peering) -> None:
+        self._peering = peering
+
+    def collect(self) -> Iterable[Metric]:
+        peers, sync = self._peering.peers, self._peering.sync
+        yield GaugeMetricFamily(
+            "extproc_peers_connected",
+            "Configured peers heard from within the expiry (their leases count as load).",
+            value=sum(peers.connected(a) for a in peers.peers),
+        )
+        messages = CounterMetricFamily(
+            "extproc_peer_messages",
+            "Peer-sync messages by direction (sent, received) and kind (snapshot, delta).",
+            labels=["direction", "kind"],
+        )
+        for kind, count in sorted(sync.sent.items()):
+            messages.add_metric(["sent", kind], count)
+        for kind, count in sorted(peers.applied.items()):
+            messages.add_metric(["received", kind], count)
+        yield messages
+        yield CounterMetricFamily(
+            "extproc_peer_messages_refused",
+            "Peer messages refused: undecodable, too large, or from an address that is no configured peer.",
+            value=peers.refused,
+        )
+        if peers.lag_s is not None:
+            yield GaugeMetricFamily(
+                "extproc_peer_sync_lag_seconds",
+                "How old the last peer message was when it arrived (its sender's wall clock against ours).",
+                value=peers.lag_s,
+            )
