@@ -212,6 +212,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         metavar="HOST:PORT[,HOST:PORT...]",
         help="the other replicas' --peer-listen addresses; only these are heard",
     )
+    r.add_argument(
+        "--peer-service",
+        default=None,
+        metavar="NAMESPACE/NAME",
+        help="--source kube: the peers are the endpoints of this (headless) Service, port 'peer'",
+    )
     q = p.add_argument_group(
         "flow control",
         "requests that find every endpoint of their pool saturated (the profile's queue_limit / "
@@ -340,6 +346,7 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
         decision_headers=args.decision_headers,
         peer_listen=args.peer_listen,
         peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
+        peer_service=args.peer_service,
     )
 
 

@@ -333,6 +333,9 @@ class ServeSettings:
     peer_listen: str | None = None
     #: The other replicas' ``--peer-listen`` addresses (``--peers``).
     peers: tuple[str, ...] = ()
+    #: ``NAMESPACE/NAME`` of a Service whose EndpointSlices list the replicas (``--peer-service``,
+    #: with ``--source kube``): its port named ``peer``; the addresses found join ``peers``.
+    peer_service: str | None = None
 
     def __post_init__(self) -> None:
         parse_host_port(self.listen, what="--listen")
@@ -341,8 +344,16 @@ class ServeSettings:
             parse_host_port(self.peer_listen, what="--peer-listen")
         for peer in self.peers:
             parse_host_port(peer, what="--peers")
-        if self.peers and self.peer_listen is None:
-            raise ConfigError("--peers needs --peer-listen (peers hear this replica there)")
+        if (self.peers or self.peer_service) and self.peer_listen is None:
+            raise ConfigError("--peers and --peer-service need --peer-listen (peers hear this replica there)")
+        if self.peer_service is not None:
+            namespace, _, name = self.peer_service.partition("/")
+            if not (_DNS_LABEL.fullmatch(namespace) and _DNS_LABEL.fullmatch(name)):
+                raise ConfigError(f"--peer-service must be NAMESPACE/NAME, got {self.peer_service!r}")
+            if self.source.kind != "kube":
+                raise ConfigError(
+                    "--peer-service needs --source kube (it reads the Service's EndpointSlices)"
+                )
         if self.max_body_bytes < 1:
             raise ConfigError(f"--max-body-bytes must be at least 1, got {self.max_body_bytes}")
         if self.max_buffered_bytes < self.max_body_bytes:

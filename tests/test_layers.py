@@ -37,9 +37,20 @@ ALLOWED: dict[str, frozenset[str]] = {
     "engines": frozenset({"catalog", "scheduling", "tokenize"}),
     "protocol": frozenset({"control", "scheduling", "pb"}),
     "serve": frozenset(
-        {"catalog", "control", "engines", "kvindex", "peers", "protocol", "scheduling", "sources", "tokenize"}
+        {
+            "catalog",
+            "control",
+            "engines",
+            "kube",
+            "kvindex",
+            "peers",
+            "protocol",
+            "scheduling",
+            "sources",
+            "tokenize",
+        }
     ),
-    "peers": frozenset({"control"}),
+    "peers": frozenset({"control", "kube"}),
     "reconcile": frozenset({"catalog", "kube"}),
     "sim": frozenset({"tokenize"}),
     "gateway": frozenset(),

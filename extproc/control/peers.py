@@ -125,6 +125,13 @@ class PeerLeases:
         self.refused = 0
         self.lag_s: float | None = None
 
+    def set_peers(self, addresses: tuple[str, ...]) -> None:
+        """The configured peers are now ``addresses``: new ones are heard, gone ones forgotten."""
+        for address in set(self.peers) - set(addresses):
+            self._forget(self.peers.pop(address))
+        for address in addresses:
+            self.peers.setdefault(address, Peer(address))
+
     def receive(self, address: str, frame: bytes) -> None:
         """Apply one frame from the peer at ``address``; a bad one is counted and dropped (raises
         :class:`PeerMessageError` for the caller to log)."""

@@ -29,6 +29,7 @@ from extproc.control.peers import (
     PeerMessageError,
     encode,
 )
+from extproc.peers.discovery import bracketed
 from extproc.telemetry import LogLimiter
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class PeerSync:
         self._flush: asyncio.TimerHandle | None = None
         #: Messages sent, by kind.
         self.sent: dict[str, int] = {"snapshot": 0, "delta": 0}
+        #: The SUB task of each peer followed now.
+        self._following: dict[str, asyncio.Task[None]] = {}
 
     def bind(self) -> int:
         """Bind the PUB (before ``run``, so a bad address fails serve at start); returns the port."""
@@ -64,8 +67,8 @@ class PeerSync:
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.IPV6, 1)
         pub.setsockopt(zmq.SNDHWM, 10_000)
-        host, _, port = self.listen.rpartition(":")
-        pub.bind(f"tcp://{host}:{port}")
+        pub.bind(f"tcp://{bracketed(self.listen)}")
+        port = self.listen.rpartition(":")[2]
         self._pub = pub
         endpoint = pub.getsockopt(zmq.LAST_ENDPOINT)
         return int(endpoint.decode().rsplit(":", 1)[1]) if isinstance(endpoint, bytes) else int(port)
@@ -75,15 +78,26 @@ class PeerSync:
         if self._flush is None and self._pub is not None:
             self._flush = asyncio.get_running_loop().call_later(DELTA_BATCH_S, self._send_delta)
 
+    def follow(self, addresses: tuple[str, ...]) -> None:
+        """Follow exactly ``addresses`` from now on (peers found in a Service come and go)."""
+        self._peers.set_peers(addresses)
+        for address in set(self._following) - set(addresses):
+            self._following.pop(address).cancel()
+        for address in addresses:
+            if address not in self._following:
+                self._following[address] = asyncio.create_task(self._follow(address), name=f"peer-{address}")
+
     async def run(self) -> None:
         if self._pub is None:
             self.bind()
         try:
-            async with asyncio.TaskGroup() as group:
-                for address in self._peers.peers:
-                    group.create_task(self._follow(address), name=f"peer-{address}")
-                group.create_task(self._heartbeat(), name="peer-heartbeat")
+            self.follow(tuple(self._peers.peers))
+            await self._heartbeat()
         finally:
+            for task in self._following.values():
+                task.cancel()
+            await asyncio.gather(*self._following.values(), return_exceptions=True)
+            self._following.clear()
             if self._flush is not None:
                 self._flush.cancel()
             self._ctx.destroy(linger=0)
@@ -103,8 +117,7 @@ class PeerSync:
         sub.setsockopt(zmq.RECONNECT_IVL, 100)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        host, _, port = address.rpartition(":")
-        sub.connect(f"tcp://{host}:{port}")
+        sub.connect(f"tcp://{bracketed(address)}")
         try:
             while True:
                 frame = await sub.recv()

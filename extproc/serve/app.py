@@ -24,6 +24,7 @@ from extproc.control.load import LoadView
 from extproc.control.requests import RequestControl
 from extproc.engines.discovery import ModelDiscovery
 from extproc.engines.scraper import EngineScraper
+from extproc.kube.client import ApiClient
 from extproc.protocol.budget import BodyBudget
 from extproc.protocol.listener import ExtProcListener
 from extproc.protocol.stream import StreamOptions
@@ -119,7 +120,12 @@ class Server(StartStop):
             None
             if settings.peer_listen is None
             else Peering(
-                settings.peer_listen, settings.peers, self.load, self.control.owner, self.metrics.registry
+                settings.peer_listen,
+                settings.peers,
+                self.load,
+                self.control.owner,
+                self.metrics.registry,
+                service=self._peer_service(),
             )
         )
         self.metrics.buffered_bytes.set_function(lambda: self.budget.held)
@@ -199,6 +205,13 @@ class Server(StartStop):
             len(catalog.worker_sets),
             len(catalog.routes),
         )
+
+    def _peer_service(self) -> tuple[ApiClient, str] | None:
+        """The API client and ``--peer-service`` to find peers with (the catalog's client)."""
+        service = self.settings.peer_service
+        if service is None or not isinstance(self.source, KubeSource):
+            return None
+        return self.source.api, service
 
     @property
     def _calibrating(self) -> bool:

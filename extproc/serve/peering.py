@@ -16,6 +16,8 @@ from prometheus_client.registry import Collector
 
 from extproc.control.load import LoadView
 from extproc.control.peers import LeaseFeed, PeerLeases
+from extproc.kube.client import ApiClient
+from extproc.peers.discovery import PeerFinder
 from extproc.peers.sync import PeerSync
 from extproc.tasks import cancel_and_wait
 
@@ -24,7 +26,14 @@ class Peering:
     """Owns the peer sync of one serve: ``start()`` binds and follows, ``stop()`` ends it."""
 
     def __init__(
-        self, listen: str, peers: tuple[str, ...], load: LoadView, owner: str, registry: CollectorRegistry
+        self,
+        listen: str,
+        peers: tuple[str, ...],
+        load: LoadView,
+        owner: str,
+        registry: CollectorRegistry,
+        *,
+        service: tuple[ApiClient, str] | None = None,
     ) -> None:
         self.feed = LeaseFeed(owner, lambda: load.leases(owner))
         self.peers = PeerLeases(load, peers)
@@ -44,15 +53,24 @@ class Peering:
         load.on_add += [self.feed.added, self.sync.changed]
         load.on_release += [self.feed.removed, self.sync.changed]
         registry.register(PeerCollector(self))
-        self._task: asyncio.Task[None] | None = None
+        self._configured = peers
+        #: Finds more peers in a Service (``--peer-service``), when given.
+        self.finder = None if service is None else PeerFinder(service[0], service[1], listen, self._found)
+        self._tasks: list[asyncio.Task[None]] = []
         self.port = 0
 
     def start(self) -> None:
         self.port = self.sync.bind()
-        self._task = asyncio.create_task(self.sync.run(), name="peer-sync")
+        self._tasks.append(asyncio.create_task(self.sync.run(), name="peer-sync"))
+        if self.finder is not None:
+            self._tasks.append(asyncio.create_task(self.finder.run(), name="peer-finder"))
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._task)
+        for task in self._tasks:
+            await cancel_and_wait(task)
+
+    def _found(self, addresses: tuple[str, ...]) -> None:
+        self.sync.follow(tuple(dict.fromkeys([*self._configured, *addresses])))
 
     def debug_state(self) -> list[dict[str, object]]:
         return self.peers.debug_state()

@@ -82,8 +82,10 @@ def test_kustomization_lists_every_base_manifest() -> None:
             "Role",
             "RoleBinding",
             "Service",
+            "Service",
             "Deployment",
             "PodDisruptionBudget",
+            "NetworkPolicy",
         ]
     )
 
@@ -193,7 +195,7 @@ def test_reconcile_reads_serve_over_loopback_and_knows_its_pod() -> None:
 def test_service_reaches_the_pods_grpc_over_h2c_and_metrics() -> None:
     """The Service selects the pods and names container ports; gateways learn h2c from appProtocol."""
     docs = base()
-    service = one(docs, "Service")
+    service = one(docs, "Service", "extproc")
     pod_labels = _pod(docs)["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
     ports = {p["name"]: p for p in service["spec"]["ports"]}
@@ -261,7 +263,7 @@ def test_sample_worker_set_names_its_service_and_ports() -> None:
 def test_envoy_gateway_example_calls_our_service_in_a_mode_we_serve() -> None:
     """The ext_proc backend is our Service port, in a body mode serve supports, with envoy.lb writable."""
     docs = load(EXAMPLES / "envoy-gateway.yaml")
-    service = one(base(), "Service")
+    service = one(base(), "Service", "extproc")
     grpc_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
     (ext_proc,) = one(docs, "EnvoyExtensionPolicy")["spec"]["extProc"]
     assert ext_proc["backendRefs"] == [
