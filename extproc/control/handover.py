@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import secrets
 import time
 from collections import OrderedDict
@@ -47,6 +46,7 @@ class LeaseHandover:
         self,
         release: Callable[[Lease], None],
         *,
+        owner: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         grace: float = GRACE_SECONDS,
     ) -> None:
@@ -58,9 +58,9 @@ class LeaseHandover:
         #: Unclaimed offers whose routing stream ended, with their deadline, oldest first (the grace
         #: is constant, so insertion order is deadline order: expiring is a pop from the front).
         self._waiting: OrderedDict[str, tuple[Lease, float]] = OrderedDict()
-        #: Unique to this process, so a token never matches an offer of another replica.
-        self._prefix = secrets.token_hex(4)
-        self._numbers = itertools.count()
+        #: Unique to this process (its leases' owner), so a token never matches an offer of another
+        #: replica; a token is ``OWNER-NUMBER`` of the lease, so a peer can name the lease it holds.
+        self._prefix = owner or secrets.token_hex(4)
         #: An accounting stream has reached this process: the gateway runs one.
         self.accounting_seen = False
         #: Leases no accounting stream claimed within the grace (it reached another replica).
@@ -83,9 +83,18 @@ class LeaseHandover:
     def offer(self, lease: Lease) -> str:
         """Offer a routed request's lease; the token goes into the routing answer."""
         self._expire()
-        token = f"{self._prefix}-{next(self._numbers)}"
+        token = f"{self._prefix}-{lease.number}"
         self._open[token] = lease
         return token
+
+    def lent(self, number: int) -> Lease | None:
+        """A peer's accounting stream holds our lease ``number`` (its routing stream was ours): it
+        is no longer offered here, nor released at its routing stream's end; the peer ends it."""
+        token = f"{self._prefix}-{number}"
+        lease = self._open.pop(token, None)
+        if lease is None and token in self._waiting:
+            lease = self._waiting.pop(token)[0]
+        return lease
 
     def routing_ended(self, token: str) -> None:
         """The routing stream ended: release an unclaimed lease now, or after the grace period."""

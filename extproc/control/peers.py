@@ -17,12 +17,12 @@ The wire format is msgpack (msgspec), one message per ZMQ frame; the transport i
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import msgspec
 
-from extproc.control.load import Lease, LoadView
+from extproc.control.load import Lease, LeaseKey, LoadView
 from extproc.types import EndpointAddress
 
 #: Seconds between snapshots (and so heartbeats).
@@ -39,23 +39,32 @@ _MAX_TEXT = 512
 WireLease = tuple[int, str, str, int, float]
 
 
+#: (owner, number) of a lease: another replica's, held by the sender's accounting stream.
+WireKey = tuple[str, int]
+
+
 class Snapshot(msgspec.Struct, tag="snapshot", frozen=True):
-    """Every lease the sender holds now (also its heartbeat)."""
+    """Every lease the sender holds now (also its heartbeat), and the other replicas' leases its
+    accounting streams hold (so a lost "ended" is healed too)."""
 
     owner: str
     seq: int
     sent_at: float
     leases: list[WireLease]
+    held: list[WireKey] = msgspec.field(default_factory=list)
 
 
 class Delta(msgspec.Struct, tag="delta", frozen=True):
-    """Leases the sender took and ended since its last message."""
+    """Leases the sender took and ended since its last message; other replicas' leases its
+    accounting streams took over (``adopted``) and whose requests ended there (``ended``)."""
 
     owner: str
     seq: int
     sent_at: float
     added: list[WireLease]
     removed: list[int]
+    adopted: list[WireKey] = msgspec.field(default_factory=list)
+    ended: list[WireKey] = msgspec.field(default_factory=list)
 
 
 Message = Snapshot | Delta
@@ -76,9 +85,12 @@ def decode(frame: bytes) -> Message:
     if not 0 < len(message.owner) <= 64:
         raise PeerMessageError("owner must be 1-64 characters")
     leases = message.leases if isinstance(message, Snapshot) else message.added
+    keys = message.held if isinstance(message, Snapshot) else [*message.adopted, *message.ended]
     removed = [] if isinstance(message, Snapshot) else message.removed
-    if len(leases) > MAX_PEER_LEASES or len(removed) > MAX_PEER_LEASES:
+    if max(len(leases), len(removed), len(keys)) > MAX_PEER_LEASES:
         raise PeerMessageError(f"more than {MAX_PEER_LEASES} leases in one message")
+    if any(len(owner) > 64 for owner, _ in keys):
+        raise PeerMessageError("a lease owner over 64 characters")
     for _number, endpoint, model, _tokens, _seconds in leases:
         if len(endpoint) > _MAX_TEXT or len(model) > _MAX_TEXT:
             raise PeerMessageError(f"an endpoint or model name over {_MAX_TEXT} characters")
@@ -104,18 +116,25 @@ class Peer:
 
 
 class PeerLeases:
-    """Every configured peer's leases, kept in ``load`` as leases of the peer's owner id."""
+    """Every configured peer's leases, kept in ``load`` as leases of the peer's owner id.
+
+    ``shared``, when set, hears what peers say of this replica's (``own``) leases: adopted by
+    their accounting streams, ended there, still held (snapshots), or gone with the peer.
+    """
 
     def __init__(
         self,
         load: LoadView,
         addresses: tuple[str, ...],
         *,
+        own: str = "",
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         expiry_s: float = EXPIRY_S,
     ) -> None:
         self._load = load
+        self._own = own
+        self.shared: SharedAccounting | None = None
         self._clock = clock
         self._wall = wall_clock
         self._expiry = expiry_s
@@ -154,7 +173,26 @@ class PeerLeases:
             self._snapshot(peer, message)
         else:
             self._delta(peer, message)
+        self._tell_shared(message)
         self.applied[type(message).__name__.lower()] += 1
+
+    def knows(self, owner: str) -> bool:
+        """``owner`` is a connected peer's process (its leases are ours to hold by token)."""
+        return any(p.owner == owner and self.connected(p.address) for p in self.peers.values())
+
+    def _tell_shared(self, message: Message) -> None:
+        shared, own = self.shared, self._own
+        if shared is None:
+            return
+        if isinstance(message, Snapshot):
+            shared.holdings(message.owner, {n for owner, n in message.held if owner == own})
+            return
+        for owner, number in message.adopted:
+            if owner == own:
+                shared.adopted(message.owner, number)
+        for owner, number in message.ended:
+            if owner == own:
+                shared.ended(message.owner, number)
 
     def expire(self) -> list[str]:
         """Drop the peers silent for longer than the expiry; returns their addresses."""
@@ -225,6 +263,8 @@ class PeerLeases:
             self._load.remove(lease.key)
         peer.leases.clear()
         peer.seq = -1
+        if peer.owner is not None and self.shared is not None:
+            self.shared.gone(peer.owner)
 
 
 class LeaseFeed:
@@ -235,20 +275,33 @@ class LeaseFeed:
         owner: str,
         leases: Callable[[], Iterator[Lease]],
         *,
+        held: Callable[[], Iterable[LeaseKey]] = tuple,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.owner = owner
         self._leases = leases
+        #: Peers' leases our accounting streams hold now (for snapshots).
+        self.held = held
         self._clock = clock
         self._wall = wall_clock
         self._seq = 0
         self._added: dict[int, Lease] = {}
         self._removed: list[int] = []
+        self._adopted: list[WireKey] = []
+        self._ended: list[WireKey] = []
 
     @property
     def pending(self) -> bool:
-        return bool(self._added or self._removed)
+        return bool(self._added or self._removed or self._adopted or self._ended)
+
+    def adopt(self, key: LeaseKey) -> None:
+        """Our accounting stream holds a peer's lease (its routing stream was the peer's)."""
+        self._adopted.append(key)
+
+    def end(self, key: LeaseKey) -> None:
+        """That request ended here: its owner ends the lease."""
+        self._ended.append(key)
 
     def added(self, lease: Lease) -> None:
         if lease.owner == self.owner:
@@ -268,16 +321,18 @@ class LeaseFeed:
             self._wall(),
             [self._wire(lease) for lease in self._added.values()],
             self._removed,
+            self._adopted,
+            self._ended,
         )
-        self._added, self._removed = {}, []
+        self._added, self._removed, self._adopted, self._ended = {}, [], [], []
         return message
 
     def snapshot(self) -> Snapshot:
-        """Every lease held now (pending deltas are in it, so they are dropped)."""
+        """Every lease held now (pending lease deltas are in it, so they are dropped; adoptions and
+        ends still go out with the next delta, as a snapshot says only what is held)."""
         self._added, self._removed = {}, []
-        return Snapshot(
-            self.owner, self._next(), self._wall(), [self._wire(lease) for lease in self._leases()]
-        )
+        leases = [self._wire(lease) for lease in self._leases()]
+        return Snapshot(self.owner, self._next(), self._wall(), leases, [(o, n) for o, n in self.held()])
 
     def _next(self) -> int:
         self._seq += 1
@@ -286,3 +341,81 @@ class LeaseFeed:
     def _wire(self, lease: Lease) -> WireLease:
         left = max(0.0, lease.prefill_until - self._clock()) if lease.prefill_until else 0.0
         return (lease.number, lease.endpoint, lease.model, lease.prefill_tokens, round(left, 4))
+
+
+def split_token(token: str) -> WireKey | None:
+    """``(owner, number)`` of a lease token (``OWNER-NUMBER``), None when it is not one."""
+    owner, _, number = token.rpartition("-")
+    if not owner or len(owner) > 64 or not number.isdigit():
+        return None
+    return owner, int(number)
+
+
+class SharedAccounting:
+    """A request routed by one replica and accounted by another counts once, as the router's lease.
+
+    The routing replica's lease stays its own in every view. The accounting replica takes it over
+    by the token in the request's headers (``hold``) and says so (``adopted``); the router then keeps
+    it past its routing stream instead of releasing it after the grace. When the request ends on
+    the accounting replica (``let_go``), it says so (``ended``) and the router ends the lease. The
+    accounting replica's snapshots list what it holds, so a lost message is healed, and a router
+    whose accounting peer goes away ends what that peer held (its streams went with it).
+    """
+
+    def __init__(
+        self,
+        owner: str,
+        feed: LeaseFeed,
+        lent: Callable[[int], Lease | None],
+        release: Callable[[Lease], None],
+        knows: Callable[[str], bool],
+    ) -> None:
+        self.owner = owner
+        self._feed = feed
+        self._lent = lent
+        self._release = release
+        self._knows = knows
+        #: Peers' leases our accounting streams hold.
+        self.held: dict[LeaseKey, Lease] = {}
+        #: Our leases peers' accounting streams hold: peer owner -> number -> lease.
+        self.lent: dict[str, dict[int, Lease]] = {}
+
+    # -- this replica's accounting streams --------------------------------------------------
+
+    def hold(self, token: str, destination: str) -> Lease | None:
+        """The lease a connected peer routed this request under (None: not a peer's token)."""
+        key = split_token(token)
+        if key is None or key[0] == self.owner or not self._knows(key[0]):
+            return None
+        address = EndpointAddress(destination.split(",", 1)[0].strip())
+        lease = Lease(key[0], key[1], address)
+        self.held[lease.key] = lease
+        self._feed.adopt(lease.key)
+        return lease
+
+    def let_go(self, lease: Lease) -> None:
+        """Our accounting stream for a peer's lease ended."""
+        if self.held.pop(lease.key, None) is not None:
+            self._feed.end(lease.key)
+
+    # -- what peers say of our leases -------------------------------------------------------
+
+    def adopted(self, peer: str, number: int) -> None:
+        lease = self._lent(number)
+        if lease is not None:
+            self.lent.setdefault(peer, {})[number] = lease
+
+    def ended(self, peer: str, number: int) -> None:
+        lease = self.lent.get(peer, {}).pop(number, None) or self._lent(number)
+        if lease is not None:
+            self._release(lease)
+
+    def holdings(self, peer: str, numbers: set[int]) -> None:
+        for number in [n for n in self.lent.get(peer, {}) if n not in numbers]:
+            self.ended(peer, number)
+        for number in numbers - self.lent.get(peer, {}).keys():
+            self.adopted(peer, number)
+
+    def gone(self, peer: str) -> None:
+        for lease in self.lent.pop(peer, {}).values():
+            self._release(lease)

@@ -43,6 +43,7 @@ from extproc.control.flow import (
 )
 from extproc.control.handover import LeaseHandover
 from extproc.control.load import Lease, LoadView
+from extproc.control.peers import SharedAccounting
 from extproc.errors import ModelNotFound, NoReadyEndpoint, Saturated
 from extproc.openai import InferenceRequest
 from extproc.scheduling.prefix import Tokenized
@@ -108,7 +109,9 @@ class RequestControl:
         self.owner = owner or secrets.token_hex(4)
         self._clock = clock
         self._numbers = itertools.count()
-        self.handover = LeaseHandover(self.release, clock=clock)
+        self.handover = LeaseHandover(self.release, owner=self.owner, clock=clock)
+        #: Requests whose routing and accounting streams reached different replicas (peer sync on).
+        self.shared: SharedAccounting | None = None
         self.on_unreachable = on_unreachable or (lambda _address: None)
         self.on_retried_away = on_retried_away or (lambda _address: None)
         #: The catalog last looked at by :meth:`accounting_lease` (weakly: a replaced catalog is
@@ -250,8 +253,11 @@ class RequestControl:
         return lease
 
     def release(self, lease: Lease) -> None:
-        """The request ended: it no longer counts (releasing twice is harmless)."""
+        """The request ended: it no longer counts (releasing twice is harmless). A peer's lease that
+        our accounting stream held: its owner is told to end it."""
         self.load.remove(lease.key)
+        if lease.owner != self.owner and self.shared is not None:
+            self.shared.let_go(lease)
 
     # -- the accounting stream ------------------------------------------------------------------
 
@@ -265,6 +271,8 @@ class RequestControl:
         offered = self.handover.claim(token)
         if offered is not None:
             return offered
+        if self.shared is not None and (held := self.shared.hold(token, destination)) is not None:
+            return held  # a peer routed it: its lease, counted once everywhere, now ours to end
         if self.handover.issued_here(token):
             # Our routing stream for it has ended, at the response headers: the prefill is done.
             prefill_tokens, prefill_seconds = 0, 0.0

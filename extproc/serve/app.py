@@ -122,8 +122,7 @@ class Server(StartStop):
             else Peering(
                 settings.peer_listen,
                 settings.peers,
-                self.load,
-                self.control.owner,
+                self.control,
                 self.metrics.registry,
                 service=self._peer_service(),
             )

@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from extproc.control.load import LoadView
-from extproc.control.peers import LeaseFeed, PeerLeases
+from extproc.control.peers import LeaseFeed, PeerLeases, SharedAccounting
+from extproc.control.requests import RequestControl
 from extproc.kube.client import ApiClient
 from extproc.peers.discovery import PeerFinder
 from extproc.peers.sync import PeerSync
@@ -29,14 +29,18 @@ class Peering:
         self,
         listen: str,
         peers: tuple[str, ...],
-        load: LoadView,
-        owner: str,
+        control: RequestControl,
         registry: CollectorRegistry,
         *,
         service: tuple[ApiClient, str] | None = None,
     ) -> None:
+        load, owner = control.load, control.owner
         self.feed = LeaseFeed(owner, lambda: load.leases(owner))
-        self.peers = PeerLeases(load, peers)
+        self.peers = PeerLeases(load, peers, own=owner)
+        # A request routed here and accounted on a peer (or the other way round) counts once.
+        shared = SharedAccounting(owner, self.feed, control.handover.lent, control.release, self.peers.knows)
+        self.feed.held = lambda: shared.held.keys()
+        self.peers.shared = control.shared = shared
         self.frame_bytes = Histogram(
             "extproc_peer_message_bytes",
             "Size of the peer-sync messages this replica sent, by kind (snapshot, delta).",

@@ -110,3 +110,80 @@ def test_the_feed_sends_own_leases_only_and_a_lease_that_came_and_went_not_at_al
     load.add(Lease("me", 3, A))
     assert [lease[0] for lease in feed.snapshot().leases] == [3]
     assert not feed.pending
+
+
+class Replica:
+    """Request control with peer sync, its messages carried by hand (no sockets)."""
+
+    def __init__(self, address: str, peer: str, clock: Clock) -> None:
+        from control.test_requests import World
+        from extproc.control.peers import SharedAccounting
+
+        self.address = address
+        self.world = World()
+        control = self.world.control
+        control.handover.accounting_seen = True  # the gateway runs an accounting filter
+        self.control = control
+        self.feed = LeaseFeed(
+            control.owner, lambda: control.load.leases(control.owner), clock=clock, wall_clock=clock
+        )
+        self.peers = PeerLeases(control.load, (peer,), own=control.owner, clock=clock, wall_clock=clock)
+        shared = SharedAccounting(
+            control.owner, self.feed, control.handover.lent, control.release, self.peers.knows
+        )
+        self.feed.held = lambda: shared.held.keys()
+        self.peers.shared = control.shared = shared
+        control.load.on_add.append(self.feed.added)
+        control.load.on_release.append(self.feed.removed)
+
+    def tell(self, other: Replica, *, snapshot: bool = False) -> None:
+        message = self.feed.snapshot() if snapshot else self.feed.delta()
+        other.peers.receive(self.address, encode(message))
+
+
+def test_a_request_routed_by_one_replica_and_accounted_by_another_counts_once_everywhere() -> None:
+    from control.test_requests import chat, routed_now
+
+    clock = Clock()
+    a, b = Replica("a:1", "b:1", clock), Replica("b:1", "a:1", clock)
+    a.tell(b, snapshot=True)
+    b.tell(a, snapshot=True)
+    routed = routed_now(a.control.route(chat()))
+    a.tell(b)
+    assert a.control.load.total == b.control.load.total == 1
+    # Its accounting stream reaches B: B holds A's lease rather than taking one of its own.
+    held = b.control.accounting_lease(routed.decision.destination, token=routed.token)
+    assert held is not None and held.key == routed.lease.key
+    b.tell(a)
+    routed.stream_ended()  # A's routing stream ends: the lease is B's to end now, not released
+    clock.now += 5
+    a.control.handover.claim("")  # any handover call expires what is due
+    assert a.control.load.total == b.control.load.total == 1
+    # The response ends on B: everyone stops counting it.
+    b.control.release(held)
+    assert b.control.load.total == 0
+    b.tell(a)
+    assert a.control.load.total == 0
+    a.tell(b)
+    assert b.control.load.total == 0
+
+
+def test_a_lost_ended_message_is_healed_by_the_next_snapshot_and_a_gone_peer_ends_what_it_held() -> None:
+    from control.test_requests import chat, routed_now
+
+    clock = Clock()
+    a, b = Replica("a:1", "b:1", clock), Replica("b:1", "a:1", clock)
+    a.tell(b, snapshot=True)
+    b.tell(a, snapshot=True)
+    first, second = routed_now(a.control.route(chat())), routed_now(a.control.route(chat()))
+    for routed in (first, second):
+        assert b.control.accounting_lease(routed.decision.destination, token=routed.token) is not None
+    b.tell(a)
+    b.control.release(next(iter(b.control.shared.held.values())))  # type: ignore[union-attr]
+    b.feed.delta()  # ... and that delta is lost
+    assert a.control.load.snapshot(a.control.owner) != {}
+    b.tell(a, snapshot=True)  # B's snapshot lists only what it still holds
+    assert sum(a.control.load.snapshot(a.control.owner).values()) == 1
+    clock.now += 10  # B goes silent: what it held ends with it
+    a.peers.expire()
+    assert a.control.load.total == 0

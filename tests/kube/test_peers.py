@@ -85,7 +85,9 @@ async def test_replicas_find_each_other_in_the_service_and_follow_it(
         await until_peers(a, [(f"{IPS[1]}:{PORT}", True)], within=15)
         await until_peers(b, [(f"{IPS[0]}:{PORT}", True)], within=15)
         # B leaves the Service: A stops following it (and forgets what it held).
-        kube_env.kubectl("replace", "-f", "-", input=yaml.safe_dump(peers_slice(ns, IPS[:1])))  # a CRD here: no SMP
+        kube_env.kubectl(
+            "replace", "-f", "-", input=yaml.safe_dump(peers_slice(ns, IPS[:1]))
+        )  # a CRD here: no SMP
         await until_peers(a, [], within=5)
     finally:
         for proc in procs:
