@@ -129,6 +129,10 @@ class Config:
     seed: int = 1
     #: Scrape each engine's /metrics every this many simulated seconds; 0 = no engine signals.
     scrape_interval: float = 0.0
+    #: Router replicas, requests spread round robin (offline replay only).
+    routers: int = 1
+    #: Model seconds a lease change takes to reach the other routers; None: they do not share.
+    sync_delay_s: float | None = None
     #: Whose surface the simulated engines show (metric names, KV-event encoding): vllm or sglang.
     engine_kind: str = "vllm"
     #: Offline only (online events always cross ZMQ): encode each step's KV events as vLLM does and

@@ -29,31 +29,22 @@ from __future__ import annotations
 import gc
 import heapq
 import itertools
-import random
-import sys
 import time
-from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bench.replay.arms import MODEL, PATH, Arm, Config, Sent, replay_catalog
+from bench.replay.events import router_batch
+from bench.replay.routers import Router, build_router, peer_copy
 from bench.replay.trace import TraceRequest, prompt_tokens
 from extproc.catalog.store import CatalogStore
-from extproc.control.load import Lease, LoadView
-from extproc.control.requests import RequestControl
+from extproc.control.load import Lease
 from extproc.demo.catalog import LocalWorkerSet
-from extproc.kvindex.events import U64_MASK, AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, Source
-from extproc.kvindex.events import KVEvent as RouterEvent
-from extproc.kvindex.follow import plan_sources
 from extproc.openai import read_request
 from extproc.scheduling.calibration import Calibration
 from extproc.scheduling.engine_signals import EngineSignals
-from extproc.scheduling.hooks import calibrate, remember_affinity
-from extproc.scheduling.scheduler import DecisionHook, Scheduler
-from extproc.serve.prefix_routing import PrefixRouting
 from extproc.settings import PrefixSettings, TokenizerSpec
-from extproc.sim import kv_events as sim
 from extproc.sim.engine_core import EngineCore, EngineParams, RequestOutput, SimRequest, StepResult
 from extproc.sim.kv_wire import EventEncoding, HashFormat, encode_batch
 from extproc.tokenize.registry import SHIPPED_TOKENIZER
@@ -71,6 +62,7 @@ class _Flight:
     record: Sent
     lease: Lease
     arrival: float
+    router: Router
 
 
 @dataclass(slots=True)
@@ -129,32 +121,23 @@ class OfflineReplay:
         # Tokenized inline (no thread pool): the prompts are token ids, and nothing must run on
         # another clock than this one.
         settings = PrefixSettings(tokenizers=(TokenizerSpec(MODEL, SHIPPED_TOKENIZER),), tokenize_threads=0)
-        self.routing = PrefixRouting(settings, self.store)
         self.store.publish(replay_catalog(worker_set))
-        self.sources: dict[EndpointAddress, Source] = {}
-        for source, plan in plan_sources(self.store.current).items():
-            self.routing.index.add_source(source, namespace=plan.namespace, block_size=plan.block_size)
-            self.routing.index.set_complete(source, True)
-            self.sources[source.endpoint] = source
-        hooks: list[DecisionHook] = [remember_affinity(self.routing.matcher)]
-        if calibration is not None:
-            hooks.append(calibrate(calibration))
-        self.load = LoadView(clock=lambda: self.now)
-        self.scheduler = Scheduler(
-            self.load,
-            arm.policy,
-            max_fallbacks=0,
-            rng=random.Random(cfg.seed),
-            prefix=self.routing.matcher,
-            hooks=hooks,
-            candidates=arm.candidates,
+        #: The router replicas (one unless ``cfg.routers``), requests round robin across them.
+        self.routers = [
+            build_router(i, arm, cfg, self.store, settings, lambda: self.now, calibration)
+            for i in range(max(1, cfg.routers))
+        ]
+        self.sync_delay_s = cfg.sync_delay_s
+        first = self.routers[0]
+        self.routing, self.load, self.scheduler, self.control = (
+            first.routing,
+            first.load,
+            first.scheduler,
+            first.control,
         )
-        self.control = RequestControl(
-            catalog=lambda: self.store.current,
-            scheduler=self.scheduler,
-            load=self.load,
-            clock=lambda: self.now,
-        )
+        self.sources = first.sources
+        #: Rows longer than the engines' context: answered 400, as an engine would online.
+        self.refused = 0
         self._events: list[tuple[float, int, int, Any]] = []
         self._order = itertools.count()
         self._flights: dict[str, _Flight] = {}
@@ -163,7 +146,8 @@ class OfflineReplay:
 
     # -- the timeline ------------------------------------------------------------------------------
 
-    _ARRIVAL, _STEP_END, _SCRAPE = 1, 0, 2  # at equal times: steps end, arrivals route, scrapes
+    # At equal times: steps end, arrivals route, scrapes, peer-sync deliveries.
+    _ARRIVAL, _STEP_END, _SCRAPE, _SYNC = 1, 0, 2, 3
 
     def _at(self, when: float, kind: int, payload: Any) -> None:
         heapq.heappush(self._events, (when, kind, next(self._order), payload))
@@ -192,6 +176,14 @@ class OfflineReplay:
                 self._arrive(payload)
             elif kind == self._SCRAPE:
                 self._scrape()
+            elif kind == self._SYNC:
+                load, lease, added = payload
+                if added is None:
+                    load.prefill_over(lease.key)
+                elif added:
+                    load.add(lease)
+                else:
+                    load.remove(lease.key)
             else:
                 engine, generation, result = payload
                 if generation == engine.generation:
@@ -202,7 +194,9 @@ class OfflineReplay:
             "wall_s": self.now,
             "router_client_cpu_s": time.process_time() - cpu0,
             "engine_cpu_s": 0.0,
-            "prefix_lookups": dict(self.routing.matcher.counters.lookups),
+            "prefix_lookups": _summed(r.routing.matcher.counters.lookups for r in self.routers),
+            "routers": len(self.routers),
+            "refused_too_long": self.refused,
             "engines": [self._engine_numbers(e) for e in self.engines.values()],
             "requests": [asdict(r) for r in self.records],
         }
@@ -214,7 +208,8 @@ class OfflineReplay:
         prompt = prompt_tokens(request, self.vocab)
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
         started = time.perf_counter()
-        decision = self.control.decide(read_request(PATH, body))
+        router = self.routers[len(self.records) % len(self.routers)]
+        decision = router.control.decide(read_request(PATH, body))
         address = decision.pick.address
         record = Sent(request.index, address)
         record.router_cached = decision.prefix.cached_tokens.get(address, 0)
@@ -223,21 +218,27 @@ class OfflineReplay:
         tokens, seconds = decision.prefill
         # The policy's own prediction, unrounded; (0, 0.0) from a policy that predicts nothing.
         record.predicted_ttft_s = seconds or None
-        lease = self.control.acquire(address, model=MODEL, prefill_tokens=tokens, prefill_seconds=seconds)
+        engine = self.engines[address]
+        request_id = str(request.index)
+        try:
+            engine.core.add_request(
+                SimRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    output_token_ids=[_ANSWER_TOKEN] * max_tokens,
+                    arrival_time=self.now,
+                    finish_reason="length",
+                )
+            )
+        except ValueError as exc:  # longer than the context: the engine answers 400 online
+            record.error = f"400: {exc}"
+            self.refused += 1
+            return
+        lease = router.control.acquire(address, model=MODEL, prefill_tokens=tokens, prefill_seconds=seconds)
+        self._share(router, lease, added=True)
         if self.arm.active is not None:
             self.arm.active.start(request.index, address, request.input_length, record.router_cached)
-        request_id = str(request.index)
-        self._flights[request_id] = _Flight(record, lease, self.now)
-        engine = self.engines[address]
-        engine.core.add_request(
-            SimRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt,
-                output_token_ids=[_ANSWER_TOKEN] * max_tokens,
-                arrival_time=self.now,
-                finish_reason="length",
-            )
-        )
+        self._flights[request_id] = _Flight(record, lease, self.now, router)
         if engine.busy_until is None or engine.waiting_for_load:
             self._step(engine)
 
@@ -279,7 +280,8 @@ class OfflineReplay:
             engine.queue.append(out.queue_time or 0.0)
             record.ttft_wall_s = self.now - flight.arrival
             record.engine_cached = out.num_cached_tokens
-            self.control.load.prefill_over(flight.lease.key)
+            flight.router.load.prefill_over(flight.lease.key)
+            self._share(flight.router, flight.lease, added=None)
             if self.arm.active is not None:
                 self.arm.active.first_token(int(out.request_id))
         if out.finished:
@@ -288,10 +290,21 @@ class OfflineReplay:
             engine.finished += 1
             record.e2e_wall_s = self.now - flight.arrival
             record.ok = True
-            self.control.release(flight.lease)
+            flight.router.control.release(flight.lease)
+            self._share(flight.router, flight.lease, added=False)
             if self.arm.active is not None:
                 self.arm.active.finish(int(out.request_id))
             del self._flights[out.request_id]
+
+    def _share(self, router: Router, lease: Lease, *, added: bool | None) -> None:
+        """Peer sync, modelled: the other routers count the lease (``added``), stop counting it
+        (False) or count it as past its prefill (None) a delay later."""
+        if self.sync_delay_s is None or len(self.routers) == 1:
+            return
+        copy = peer_copy(lease)
+        for other in self.routers:
+            if other is not router:
+                self._at(self.now + self.sync_delay_s, self._SYNC, (other.load, copy, added))
 
     def _scrape(self) -> None:
         """Every engine's latency totals to the calibration, then the next scrape while work remains."""
@@ -315,16 +328,19 @@ class OfflineReplay:
 
     def _publish(self, engine: OfflineEngine, result: StepResult) -> None:
         """The step's KV events through the router's ingest, encoded or not (``wire_events``)."""
-        source = self.sources.get(engine.address)
-        if not result.events or source is None:
+        if not result.events or engine.address not in self.sources:
             return
+        # Every router follows every engine, as every serve replica does.
         if self.wire_events:
             payload = encode_batch(
                 result.events, ts=self.now, dp_rank=0, encoding=EventEncoding.MAPS, hash_format=HashFormat.INT
             )
-            self.routing.ingest.on_batch(source, engine.seq, payload)
+            for router in self.routers:
+                router.routing.ingest.on_batch(router.sources[engine.address], engine.seq, payload)
         else:
-            self.routing.ingest.on_decoded(source, router_batch(result.events, self.now))
+            for router in self.routers:
+                batch = router_batch(result.events, self.now)
+                router.routing.ingest.on_decoded(router.sources[engine.address], batch)
         engine.seq += 1
 
     @staticmethod
@@ -345,69 +361,9 @@ class OfflineReplay:
         }
 
 
-def _engine_hashes(digests: Sequence[bytes]) -> tuple[int, ...]:
-    """Each digest's last 8 bytes read big-endian, as the wire's uint64s carry them.
-
-    Digests of one size that is a multiple of 8 (the simulator's: 32 bytes, 16 with xxhash) are
-    read in one array pass: ~6% of an offline run went to ``int.from_bytes`` one hash at a time.
-    """
-    sizes = set(map(len, digests))
-    size = sizes.pop() if len(sizes) == 1 else 0
-    if not size or size % 8:
-        return tuple(int.from_bytes(h, "big") & U64_MASK for h in digests)
-    words = array("Q")
-    words.frombytes(b"".join(digests))
-    if sys.byteorder == "little":
-        words.byteswap()
-    return tuple(words[size // 8 - 1 :: size // 8].tolist())
-
-
-def router_batch(events: list[sim.KVEvent], ts: float) -> DecodedBatch:
-    """A step's events as the router's decoder returns them from vLLM's wire form, without the wire.
-
-    What :func:`~extproc.sim.kv_wire.encode_batch` (tagged maps, uint64 hashes) and then
-    :func:`~extproc.kvindex.decode.decode_batch` make of them: a digest becomes its last 8 bytes
-    read big-endian, a chain's salt rides on its first event only, and a malformed stored event is
-    skipped. One liberty: consecutive removals from one medium become one event (the engine makes
-    one per evicted block), which the index applies in the same order, hash by hash. The replay's
-    tests hold both paths to the same index.
-    """
-    out: list[RouterEvent] = []
-    skipped = 0
-    removed: list[bytes] = []  # digests, read in one pass when the run of removals ends
-    removed_medium: str | None = None
-    from_bytes = int.from_bytes
-    for event in events:
-        if type(event) is sim.BlockRemoved:
-            if removed and event.medium != removed_medium:
-                out.append(BlockRemoved(_engine_hashes(removed), removed_medium))
-                removed = []
-            removed_medium = event.medium
-            removed += event.block_hashes
-            continue
-        if removed:
-            out.append(BlockRemoved(_engine_hashes(removed), removed_medium))
-            removed = []
-        if type(event) is sim.BlockStored:
-            hashes = _engine_hashes(event.block_hashes)
-            tokens = event.token_ids
-            if not hashes or (tokens and len(tokens) != len(hashes) * event.block_size):
-                skipped += 1
-                continue
-            parent = event.parent_block_hash
-            out.append(
-                BlockStored(
-                    hashes,
-                    None if parent is None else from_bytes(parent, "big") & U64_MASK,
-                    tokens,
-                    event.block_size,
-                    event.lora_name,
-                    event.medium,
-                    (event.cache_salt or None) if parent is None else None,
-                )
-            )
-        else:
-            out.append(AllBlocksCleared())
-    if removed:
-        out.append(BlockRemoved(_engine_hashes(removed), removed_medium))
-    return DecodedBatch(ts=ts, events=out, dp_rank=0, skipped=skipped)
+def _summed(counters: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for counter in counters:
+        for key, value in counter.items():
+            total[key] = total.get(key, 0) + value
+    return total

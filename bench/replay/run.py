@@ -26,7 +26,8 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,15 @@ from bench.replay.arms import (
 )
 from bench.replay.offline import OfflineReplay
 from bench.replay.stalls import StallSampler
-from bench.replay.trace import TraceRequest, load, pooled_lru, prompt_tokens, summary, upper_bound
+from bench.replay.trace import (
+    TraceRequest,
+    load,
+    pooled_lru,
+    prompt_tokens,
+    spread_arrivals,
+    summary,
+    upper_bound,
+)
 from extproc.catalog.store import CatalogStore
 from extproc.control.load import LoadView
 from extproc.control.requests import RequestControl
@@ -335,6 +344,18 @@ async def _one(
             arm.active.finish(request.index)
 
 
+def _variants(
+    factories: Iterable[Callable[[], Arm]], cfg: Config, args: argparse.Namespace
+) -> Iterator[tuple[Callable[[], Arm], str, Config]]:
+    """Each policy once; with ``--routers N``, also with N routers synced and N unsynced."""
+    for factory in factories:
+        yield factory, "", cfg
+        if args.routers > 1:
+            synced = replace(cfg, routers=args.routers, sync_delay_s=args.sync_delay_ms / 1000)
+            yield factory, f" x{args.routers} routers, synced", synced
+            yield factory, f" x{args.routers} routers, no sync", replace(cfg, routers=args.routers)
+
+
 def offline_arm(arm: Arm, requests: list[TraceRequest], cfg: Config, vocab: int) -> dict[str, Any]:
     """The arm played in virtual time (:mod:`bench.replay.offline`), same shape as :func:`run_arm`'s."""
     return OfflineReplay(arm, requests, cfg, vocab).run()
@@ -471,6 +492,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also run ours scoring a bounded candidate set (P prefix holders, L least loaded, R random) "
         "beside ours scoring every endpoint",
     )
+    p.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="--offline: also play each policy with this many router replicas, requests round robin, "
+        "with peer sync and without (default 1: one router)",
+    )
+    p.add_argument(
+        "--sync-delay-ms",
+        type=float,
+        default=5.0,
+        help="--routers: model milliseconds a lease change takes to reach the other routers",
+    )
     p.add_argument("--only", nargs="*", help="run only the policies whose names start with these")
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument(
@@ -484,6 +518,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.out = REPO / f"bench/results/raw/replay{'_offline' if args.offline else ''}.json"
     if args.offline and args.scrape_interval > 0:
         p.error("--offline does not model engine signals: leave --scrape-interval at 0")
+    if args.routers < 1 or (args.routers > 1 and not args.offline):
+        p.error("--routers N (N >= 1) is modelled in --offline replays only")
     if not args.trace.is_file():
         p.error(f"no trace at {args.trace}: pass --trace PATH (a Mooncake-format .jsonl)")
     return args
@@ -493,6 +529,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
         args.requests, args.time_scale = min(args.requests, 120), 0.1
     requests = load(args.trace, requests=args.requests, start=args.start)
+    if args.routers > 1:
+        requests = spread_arrivals(requests)  # every arm of the run, the one-router ones too
     engine = {
         "block_size": 16,
         "num_gpu_blocks": args.gpu_blocks,
@@ -558,13 +596,15 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         "arms": [],
     }
     started = time.monotonic()
-    for factory in default_arms(EngineParams(**engine), args.candidates):
+    factories = default_arms(EngineParams(**engine), args.candidates)
+    for factory, variant, arm_cfg in _variants(factories, cfg, args):
         arm = factory()
         if args.only and not any(arm.name.startswith(o) for o in args.only):
             continue
+        arm.name += variant
         if args.offline:
             log.warning("arm %s: %d requests, offline (virtual time)", arm.name, len(requests))
-            raw = offline_arm(arm, requests, cfg, vocab)
+            raw = offline_arm(arm, requests, arm_cfg, vocab)
             summary_ = summarize(raw, 1.0)
         else:
             log.warning("arm %s: %d requests, time scale %g", arm.name, len(requests), cfg.time_scale)

@@ -206,3 +206,31 @@ def summary(requests: Sequence[TraceRequest]) -> dict[str, float]:
         "mean_output_tokens": round(sum(r.output_length for r in requests) / len(requests), 1),
         "max_input_tokens": max(r.input_length for r in requests),
     }
+
+
+def spread_arrivals(requests: list[TraceRequest]) -> list[TraceRequest]:
+    """The rows that share a timestamp spread evenly over the time to the next timestamp.
+
+    Mooncake's timestamps come in 3-second steps with up to ~17 rows on one: replayed as written,
+    they arrive at one instant. One router takes them one by one and sees each pick; several
+    routers that share their leases over the network could not, whatever the sync's speed, so a
+    comparison of one router against several would measure the trace's rounding. Spread, they
+    arrive as they did within those seconds, as far as the trace can tell.
+    """
+    out: list[TraceRequest] = []
+    i = 0
+    while i < len(requests):
+        j = i
+        while j < len(requests) and requests[j].arrival_s == requests[i].arrival_s:
+            j += 1
+        t0 = requests[i].arrival_s
+        gap = (requests[j].arrival_s - t0) if j < len(requests) else 0.0
+        for k in range(i, j):
+            r = requests[k]
+            out.append(
+                TraceRequest(
+                    r.index, t0 + gap * (k - i) / (j - i), r.input_length, r.output_length, r.hash_ids
+                )
+            )
+        i = j
+    return out

@@ -68,6 +68,8 @@ class LoadView:
         #: have freed), after the view changed.
         self.on_add: list[Callable[[Lease], None]] = []
         self.on_release: list[Callable[[Lease], None]] = []
+        #: Told of each lease whose prefill ended early (its response began): peer sync.
+        self.on_prefill_over: list[Callable[[Lease], None]] = []
 
     def __contains__(self, key: LeaseKey) -> bool:
         return key in self._leases
@@ -119,8 +121,22 @@ class LoadView:
                 return
             endpoint = lease.endpoint
         prefills = self._prefills.get(endpoint)
-        if prefills is not None and prefills.pop(key, None) is not None and not prefills:
+        if prefills is None or prefills.pop(key, None) is None:
+            return
+        if not prefills:
             del self._prefills[endpoint]
+        lease = self._leases.get(key)
+        if lease is not None:
+            for listener in self.on_prefill_over:
+                listener(lease)
+
+    def prefilling(self, key: LeaseKey) -> bool:
+        """The lease still counts as prefilling (its response has not begun, its prediction not run out)."""
+        lease = self._leases.get(key)
+        if lease is None:
+            return False
+        pending = self._prefills.get(lease.endpoint, {}).get(key)
+        return pending is not None and pending[1] > self._clock()
 
     def count(self, address: EndpointAddress) -> int:
         """Requests in flight at ``address``."""

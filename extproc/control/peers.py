@@ -65,6 +65,8 @@ class Delta(msgspec.Struct, tag="delta", frozen=True):
     removed: list[int]
     adopted: list[WireKey] = msgspec.field(default_factory=list)
     ended: list[WireKey] = msgspec.field(default_factory=list)
+    #: The sender's leases whose response began: their prefill is over.
+    started: list[int] = msgspec.field(default_factory=list)
 
 
 Message = Snapshot | Delta
@@ -86,7 +88,7 @@ def decode(frame: bytes) -> Message:
         raise PeerMessageError("owner must be 1-64 characters")
     leases = message.leases if isinstance(message, Snapshot) else message.added
     keys = message.held if isinstance(message, Snapshot) else [*message.adopted, *message.ended]
-    removed = [] if isinstance(message, Snapshot) else message.removed
+    removed = [] if isinstance(message, Snapshot) else [*message.removed, *message.started]
     if max(len(leases), len(removed), len(keys)) > MAX_PEER_LEASES:
         raise PeerMessageError(f"more than {MAX_PEER_LEASES} leases in one message")
     if any(len(owner) > 64 for owner, _ in keys):
@@ -248,6 +250,10 @@ class PeerLeases:
                 break
             if wire[0] not in peer.leases:
                 self._add(peer, wire)
+        for number in message.started:
+            started = peer.leases.get(number)
+            if started is not None:
+                self._load.prefill_over(started.key)
         peer.seq = max(peer.seq, message.seq)
 
     def _add(self, peer: Peer, wire: WireLease) -> None:
@@ -276,6 +282,7 @@ class LeaseFeed:
         leases: Callable[[], Iterator[Lease]],
         *,
         held: Callable[[], Iterable[LeaseKey]] = tuple,
+        prefilling: Callable[[LeaseKey], bool] = lambda _key: True,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -290,10 +297,17 @@ class LeaseFeed:
         self._removed: list[int] = []
         self._adopted: list[WireKey] = []
         self._ended: list[WireKey] = []
+        self._prefilling = prefilling
+        self._started: list[int] = []
 
     @property
     def pending(self) -> bool:
-        return bool(self._added or self._removed or self._adopted or self._ended)
+        return bool(self._added or self._removed or self._adopted or self._ended or self._started)
+
+    def prefill_over(self, lease: Lease) -> None:
+        """One of our leases' responses began (peers stop charging its prefill)."""
+        if lease.owner == self.owner and lease.number not in self._added:
+            self._started.append(lease.number)
 
     def adopt(self, key: LeaseKey) -> None:
         """Our accounting stream holds a peer's lease (its routing stream was the peer's)."""
@@ -323,8 +337,9 @@ class LeaseFeed:
             self._removed,
             self._adopted,
             self._ended,
+            self._started,
         )
-        self._added, self._removed, self._adopted, self._ended = {}, [], [], []
+        self._added, self._removed, self._adopted, self._ended, self._started = {}, [], [], [], []
         return message
 
     def snapshot(self) -> Snapshot:
@@ -339,7 +354,8 @@ class LeaseFeed:
         return self._seq
 
     def _wire(self, lease: Lease) -> WireLease:
-        left = max(0.0, lease.prefill_until - self._clock()) if lease.prefill_until else 0.0
+        prefilling = lease.prefill_until and self._prefilling(lease.key)
+        left = max(0.0, lease.prefill_until - self._clock()) if prefilling else 0.0
         return (lease.number, lease.endpoint, lease.model, lease.prefill_tokens, round(left, 4))
 
 

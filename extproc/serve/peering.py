@@ -35,7 +35,7 @@ class Peering:
         service: tuple[ApiClient, str] | None = None,
     ) -> None:
         load, owner = control.load, control.owner
-        self.feed = LeaseFeed(owner, lambda: load.leases(owner))
+        self.feed = LeaseFeed(owner, lambda: load.leases(owner), prefilling=load.prefilling)
         self.peers = PeerLeases(load, peers, own=owner)
         # A request routed here and accounted on a peer (or the other way round) counts once.
         shared = SharedAccounting(owner, self.feed, control.handover.lent, control.release, self.peers.knows)
@@ -56,6 +56,7 @@ class Peering:
         )
         load.on_add += [self.feed.added, self.sync.changed]
         load.on_release += [self.feed.removed, self.sync.changed]
+        load.on_prefill_over += [self.feed.prefill_over, self.sync.changed]
         registry.register(PeerCollector(self))
         self._configured = peers
         #: Finds more peers in a Service (``--peer-service``), when given.

@@ -163,3 +163,30 @@ def test_an_azure_trace_replays_and_reports_that_no_prompt_shares_a_prefix(tmp_p
     assert report.startswith("# Routing quality: Azure LLM inference 2023 conv trace replay (offline)")
     assert "No prompt shares a prefix with an earlier one" in report
     assert "| ours (predicted-ttft) | precise | 0.0% |" in report
+
+
+def test_a_row_longer_than_the_context_is_answered_400_and_counted_not_a_crash() -> None:
+    """As an engine answers online: the run goes on, the row is an error, the count says how many."""
+    requests = conversations(count=2, turns=2)
+    too_long = TraceRequest(len(requests), 0.1, ENGINE["max_model_len"] + 500, 20, tuple(range(9000, 9040)))
+    raw = run(ours(), [*requests, too_long])
+    assert raw["refused_too_long"] == 1
+    (refused,) = [r for r in raw["requests"] if not r["ok"]]
+    assert refused["index"] == too_long.index and refused["error"].startswith("400")
+    assert sum(e["requests_finished"] for e in raw["engines"]) == len(requests)
+
+
+def test_routers_that_share_their_leases_spread_load_as_one_router_does() -> None:
+    """Several routers, round robin: synced, each sees the others' requests as load; unsynced,
+    each piles its share onto the engines it alone thinks idle."""
+    # A burst (10 ms apart, each request running for seconds), no prompt reused.
+    requests = [TraceRequest(i, 0.01 * i, 4000, 400, (50_000 + i,)) for i in range(8)]
+    results = {}
+    for name, routers, delay in (("one", 1, None), ("synced", 3, 0.005), ("unsynced", 3, None)):
+        cfg = Config(engines=4, time_scale=1.0, output_cap=400, engine=ENGINE, seed=3)
+        cfg.routers, cfg.sync_delay_s = routers, delay
+        raw = offline_arm(ours(), requests, cfg, VOCAB)
+        counts = [sum(1 for r in raw["requests"] if r["endpoint"] == e["address"]) for e in raw["engines"]]
+        results[name] = sorted(counts)
+    assert results["one"] == results["synced"] == [2, 2, 2, 2]
+    assert max(results["unsynced"]) > 2, f"three routers blind to each other herd: {results}"

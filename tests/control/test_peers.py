@@ -125,7 +125,11 @@ class Replica:
         control.handover.accounting_seen = True  # the gateway runs an accounting filter
         self.control = control
         self.feed = LeaseFeed(
-            control.owner, lambda: control.load.leases(control.owner), clock=clock, wall_clock=clock
+            control.owner,
+            lambda: control.load.leases(control.owner),
+            prefilling=control.load.prefilling,
+            clock=clock,
+            wall_clock=clock,
         )
         self.peers = PeerLeases(control.load, (peer,), own=control.owner, clock=clock, wall_clock=clock)
         shared = SharedAccounting(
@@ -135,6 +139,7 @@ class Replica:
         self.peers.shared = control.shared = shared
         control.load.on_add.append(self.feed.added)
         control.load.on_release.append(self.feed.removed)
+        control.load.on_prefill_over.append(self.feed.prefill_over)
 
     def tell(self, other: Replica, *, snapshot: bool = False) -> None:
         message = self.feed.snapshot() if snapshot else self.feed.delta()
@@ -187,3 +192,17 @@ def test_a_lost_ended_message_is_healed_by_the_next_snapshot_and_a_gone_peer_end
     clock.now += 10  # B goes silent: what it held ends with it
     a.peers.expire()
     assert a.control.load.total == 0
+
+
+def test_a_response_that_began_ends_the_prefill_peers_charge() -> None:
+    """The router's own view stops charging a lease's prefill when its response begins; peers too."""
+    clock = Clock()
+    a, b = Replica("a:1", "b:1", clock), Replica("b:1", "a:1", clock)
+    a.tell(b, snapshot=True)
+    lease = a.control.acquire(A, model="m", prefill_tokens=900, prefill_seconds=2.0)
+    a.tell(b)
+    assert b.control.load.pending_prefill(A) == (900, 1)
+    a.control.load.prefill_over(lease.key)
+    a.tell(b)
+    assert b.control.load.pending_prefill(A) == (0, 0)
+    assert a.feed.snapshot().leases[0][4] == 0.0, "a snapshot says no prefill is left either"
