@@ -196,6 +196,7 @@ class OfflineReplay:
             "engine_cpu_s": 0.0,
             "prefix_lookups": _summed(r.routing.matcher.counters.lookups for r in self.routers),
             "routers": len(self.routers),
+            "sync_delay_s": self.sync_delay_s,
             "refused_too_long": self.refused,
             "engines": [self._engine_numbers(e) for e in self.engines.values()],
             "requests": [asdict(r) for r in self.records],

@@ -95,6 +95,9 @@ def report(runs: list[dict[str, Any]]) -> str:
     means = {name: {k: statistics.fmean(s[k] for s in rows) for k in keys} for name, rows in arms.items()}
     first = runs[0]
     seeds_used = ", ".join(str(r["config"]["seed"]) for r in runs)
+    delays = {a["raw"].get("sync_delay_s") for r in runs for a in r["arms"]} - {None}
+    # Runs from before the delay was recorded used the default, --sync-delay-ms 5.
+    delay = ", ".join(f"{d * 1000:g} ms" for d in sorted(delays)) or "5 ms, the default"
     lines = [
         "# Several routers: peer sync against none (offline replay)",
         "",
@@ -103,8 +106,9 @@ def report(runs: list[dict[str, Any]]) -> str:
         f"`python -m bench.replay --offline --routers N`, {first['trace']['requests']} Mooncake rows, "
         f"{first['config']['engines']} engines, precise routing, seeds {seeds_used}. "
         "Requests go round robin to N routers, each with its own index (fed every engine's KV events), "
-        "leases and state; synced, a lease change reaches the others after the modelled delay (the "
-        "response's start too). Rows sharing a timestamp are spread over the trace's 3-second steps "
+        "leases and state; synced, a lease change reaches the others after the modelled delay "
+        f"({delay}; the response's start too). Rows sharing a timestamp are spread over the trace's "
+        "3-second steps "
         "(`spread_arrivals`), in every arm.",
         "",
         "| arm | hit rate | x one router | TTFT mean | x | TTFT p99 | x | per seed (hit, mean, p99) |",
