@@ -71,7 +71,8 @@ class Peering:
             self._tasks.append(asyncio.create_task(self.finder.run(), name="peer-finder"))
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        # The finder first: it must not start following a peer on the sync's closed sockets.
+        for task in reversed(self._tasks):
             await cancel_and_wait(task)
 
     def _found(self, addresses: tuple[str, ...]) -> None:
