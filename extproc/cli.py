@@ -213,6 +213,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="the other replicas' --peer-listen addresses; only these are heard",
     )
     r.add_argument(
+        "--workers",
+        type=int,
+        default=_SERVE["workers"],
+        help="processes serving the same --listen port (the kernel spreads Envoy's connections), "
+        "peered over loopback, so one pod uses N cores; worker i answers admin on the admin port + i",
+    )
+    r.add_argument(
         "--peer-service",
         default=None,
         metavar="NAMESPACE/NAME",
@@ -347,6 +354,7 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
         peer_listen=args.peer_listen,
         peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
         peer_service=args.peer_service,
+        workers=args.workers,
     )
 
 
@@ -373,8 +381,13 @@ def _prefix_settings(args: argparse.Namespace) -> PrefixSettings:
 
 async def _run_serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     from extproc.serve.app import serve
+    from extproc.serve.workers import as_worker, run_workers
 
-    await serve(_serve_settings(args), stop=stop)
+    settings = as_worker(_serve_settings(args))
+    if settings.workers > 1:
+        await run_workers(settings, args.argv, stop)
+    else:
+        await serve(settings, stop=stop)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -459,6 +472,7 @@ def run_async(main: Callable[[asyncio.Event], Coroutine[Any, Any, None]]) -> Non
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     configure_logging(args.log_level)
     handler: Callable[[argparse.Namespace, asyncio.Event], Coroutine[Any, Any, None]]
     handler = _run_serve if args.command == "serve" else args.handler

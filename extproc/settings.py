@@ -333,6 +333,10 @@ class ServeSettings:
     peer_listen: str | None = None
     #: The other replicas' ``--peer-listen`` addresses (``--peers``).
     peers: tuple[str, ...] = ()
+    #: Processes serving the same ``--listen`` port, peered over loopback (``--workers``).
+    workers: int = 1
+    #: This process is one of several workers on one port (set by ``--workers``, not a flag).
+    reuse_port: bool = False
     #: ``NAMESPACE/NAME`` of a Service whose EndpointSlices list the replicas (``--peer-service``,
     #: with ``--source kube``): its port named ``peer``; the addresses found join ``peers``.
     peer_service: str | None = None
@@ -344,6 +348,15 @@ class ServeSettings:
             parse_host_port(self.peer_listen, what="--peer-listen")
         for peer in self.peers:
             parse_host_port(peer, what="--peers")
+        if not 1 <= self.workers <= 64:
+            raise ConfigError(f"--workers must be 1 to 64, got {self.workers}")
+        if self.workers > 1 and (self.peer_listen or self.peers or self.peer_service):
+            raise ConfigError(
+                "--workers N peers its workers itself; with --peer-listen, --peers or "
+                "--peer-service (replicas in other pods) it is not supported yet"
+            )
+        if self.workers > 1 and parse_host_port(self.listen, what="--listen")[1] == 0:
+            raise ConfigError("--workers N needs a --listen port of its own (not 0): the workers share it")
         if (self.peers or self.peer_service) and self.peer_listen is None:
             raise ConfigError("--peers and --peer-service need --peer-listen (peers hear this replica there)")
         if self.peer_service is not None:

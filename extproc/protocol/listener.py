@@ -43,6 +43,7 @@ class ExtProcListener:
         metrics: Metrics,
         options: StreamOptions,
         ready: Callable[[], bool],
+        reuse_port: bool = False,
     ) -> ExtProcListener:
         """Listen on ``listen`` (the ``--listen`` value); ConfigError when the address is unusable."""
         # Envoy sends a body chunk as large as its buffer limit (32 MiB in the shipped configs) in one
@@ -54,8 +55,9 @@ class ExtProcListener:
                 ("grpc.max_send_message_length", limit),
                 # Envoy keeps one HTTP/2 connection with many streams; let it have them.
                 ("grpc.max_concurrent_streams", 10_000),
-                # A second serve on the same port must fail, not silently share the traffic.
-                ("grpc.so_reuseport", 0),
+                # A second serve on the same port must fail, not silently share the traffic; the
+                # workers of one serve --workers N share it on purpose (the kernel spreads connections).
+                ("grpc.so_reuseport", 1 if reuse_port else 0),
                 # gRPC core cancels calls the application has not picked up yet once more than
                 # 1,000 wait (all of them past 3,000): a burst of 3,000 new streams lost 465 that
                 # way, reset with no trace in our logs (docs/investigations/burst.md). A waiting call

@@ -277,6 +277,7 @@ class Server(StartStop):
 
     async def _start_grpc(self) -> None:
         self._grpc = await ExtProcListener.start(
+            reuse_port=self.settings.reuse_port,
             listen=self.settings.listen,
             router=self.control,
             metrics=self.metrics,
