@@ -17,7 +17,7 @@ The wire format is msgpack (msgspec), one message per ZMQ frame; the transport i
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -33,6 +33,8 @@ EXPIRY_S = 2.0
 MAX_PEER_LEASES = 65_536
 #: Seconds a delta waits to be sent with the next changes (one message per burst, not per lease).
 DELTA_BATCH_S = 0.005
+#: Approximate-affinity chunk keys one message may carry (a feed sends no more; a peer's are refused).
+MAX_AFFINITY_KEYS = 262_144
 _MAX_TEXT = 512
 
 #: (number, endpoint, model, prefill tokens, seconds of prefill left) of one lease.
@@ -67,6 +69,8 @@ class Delta(msgspec.Struct, tag="delta", frozen=True):
     ended: list[WireKey] = msgspec.field(default_factory=list)
     #: The sender's leases whose response began: their prefill is over.
     started: list[int] = msgspec.field(default_factory=list)
+    #: Approximate prefix affinity the sender learned: (prompt chunk keys, the endpoint sent them).
+    affinity: list[tuple[list[int], str]] = msgspec.field(default_factory=list)
 
 
 Message = Snapshot | Delta
@@ -93,6 +97,11 @@ def decode(frame: bytes) -> Message:
         raise PeerMessageError(f"more than {MAX_PEER_LEASES} leases in one message")
     if any(len(owner) > 64 for owner, _ in keys):
         raise PeerMessageError("a lease owner over 64 characters")
+    affinity = [] if isinstance(message, Snapshot) else message.affinity
+    if sum(len(chunks) for chunks, _ in affinity) > MAX_AFFINITY_KEYS:
+        raise PeerMessageError(f"more than {MAX_AFFINITY_KEYS} affinity keys in one message")
+    if any(len(endpoint) > _MAX_TEXT for _, endpoint in affinity):
+        raise PeerMessageError(f"an affinity endpoint over {_MAX_TEXT} characters")
     for _number, endpoint, model, _tokens, _seconds in leases:
         if len(endpoint) > _MAX_TEXT or len(model) > _MAX_TEXT:
             raise PeerMessageError(f"an endpoint or model name over {_MAX_TEXT} characters")
@@ -137,6 +146,8 @@ class PeerLeases:
         self._load = load
         self._own = own
         self.shared: SharedAccounting | None = None
+        #: Told of each affinity record a peer learned (approximate routing), when set.
+        self.on_affinity: Callable[[Sequence[int], str], None] | None = None
         self._clock = clock
         self._wall = wall_clock
         self._expiry = expiry_s
@@ -254,6 +265,9 @@ class PeerLeases:
             started = peer.leases.get(number)
             if started is not None:
                 self._load.prefill_over(started.key)
+        if self.on_affinity is not None:
+            for chunks, endpoint in message.affinity:
+                self.on_affinity(chunks, endpoint)
         peer.seq = max(peer.seq, message.seq)
 
     def _add(self, peer: Peer, wire: WireLease) -> None:
@@ -299,10 +313,21 @@ class LeaseFeed:
         self._ended: list[WireKey] = []
         self._prefilling = prefilling
         self._started: list[int] = []
+        self._affinity: list[tuple[list[int], str]] = []
+        self._affinity_keys = 0
 
     @property
     def pending(self) -> bool:
-        return bool(self._added or self._removed or self._adopted or self._ended or self._started)
+        return bool(
+            self._added or self._removed or self._adopted or self._ended or self._started or self._affinity
+        )
+
+    def affinity(self, chunks: Sequence[int], endpoint: str) -> None:
+        """A prompt's chunks went to ``endpoint`` (approximate affinity), for peers to learn too;
+        past the message's bound until the next delta, the rest waits for the next decision."""
+        if chunks and self._affinity_keys + len(chunks) <= MAX_AFFINITY_KEYS:
+            self._affinity.append((list(chunks), endpoint))
+            self._affinity_keys += len(chunks)
 
     def prefill_over(self, lease: Lease) -> None:
         """One of our leases' responses began (peers stop charging its prefill)."""
@@ -338,8 +363,10 @@ class LeaseFeed:
             self._adopted,
             self._ended,
             self._started,
+            self._affinity,
         )
         self._added, self._removed, self._adopted, self._ended, self._started = {}, [], [], [], []
+        self._affinity, self._affinity_keys = [], 0
         return message
 
     def snapshot(self) -> Snapshot:

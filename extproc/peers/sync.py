@@ -73,7 +73,7 @@ class PeerSync:
         endpoint = pub.getsockopt(zmq.LAST_ENDPOINT)
         return int(endpoint.decode().rsplit(":", 1)[1]) if isinstance(endpoint, bytes) else int(port)
 
-    def changed(self, _lease: Lease) -> None:
+    def changed(self, _lease: Lease | None) -> None:
         """A lease of ours came or went: send the batch soon (once per burst)."""
         if self._flush is None and self._pub is not None:
             self._flush = asyncio.get_running_loop().call_later(DELTA_BATCH_S, self._send_delta)

@@ -125,6 +125,10 @@ class Scheduler:
         self.candidates = candidates or CandidateSettings()
         self._pools = PoolCache()
 
+    def add_hook(self, hook: DecisionHook) -> None:
+        """Tell ``hook`` of every decision from now on (after the hooks given at construction)."""
+        self._hooks = (*self._hooks, hook)
+
     def decide(
         self,
         catalog: Catalog,

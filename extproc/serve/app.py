@@ -125,6 +125,7 @@ class Server(StartStop):
                 self.control,
                 self.metrics.registry,
                 service=self._peer_service(),
+                approx=self.prefix.approx,
             )
         )
         self.metrics.buffered_bytes.set_function(lambda: self.budget.held)

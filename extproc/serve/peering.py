@@ -17,9 +17,12 @@ from prometheus_client.registry import Collector
 from extproc.control.peers import LeaseFeed, PeerLeases, SharedAccounting
 from extproc.control.requests import RequestControl
 from extproc.kube.client import ApiClient
+from extproc.kvindex.approx import ApproxPrefixIndex
 from extproc.peers.discovery import PeerFinder
 from extproc.peers.sync import PeerSync
+from extproc.scheduling.scheduler import Decision
 from extproc.tasks import cancel_and_wait
+from extproc.types import EndpointAddress
 
 
 class Peering:
@@ -33,6 +36,7 @@ class Peering:
         registry: CollectorRegistry,
         *,
         service: tuple[ApiClient, str] | None = None,
+        approx: ApproxPrefixIndex | None = None,
     ) -> None:
         load, owner = control.load, control.owner
         self.feed = LeaseFeed(owner, lambda: load.leases(owner), prefilling=load.prefilling)
@@ -41,6 +45,10 @@ class Peering:
         shared = SharedAccounting(owner, self.feed, control.handover.lent, control.release, self.peers.knows)
         self.feed.held = lambda: shared.held.keys()
         self.peers.shared = control.shared = shared
+        if approx is not None:
+            # Approximate affinity (models without KV events) is learned from decisions: share it.
+            control.scheduler.add_hook(self._learned)
+            self.peers.on_affinity = lambda chunks, endpoint: approx.record(chunks, EndpointAddress(endpoint))
         self.frame_bytes = Histogram(
             "extproc_peer_message_bytes",
             "Size of the peer-sync messages this replica sent, by kind (snapshot, delta).",
@@ -74,6 +82,11 @@ class Peering:
         # The finder first: it must not start following a peer on the sync's closed sockets.
         for task in reversed(self._tasks):
             await cancel_and_wait(task)
+
+    def _learned(self, decision: Decision) -> None:
+        if decision.prefix.approx_keys:
+            self.feed.affinity(decision.prefix.approx_keys, decision.pick.address)
+            self.sync.changed(None)
 
     def _found(self, addresses: tuple[str, ...]) -> None:
         self.sync.follow(tuple(dict.fromkeys([*self._configured, *addresses])))

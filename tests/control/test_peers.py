@@ -206,3 +206,19 @@ def test_a_response_that_began_ends_the_prefill_peers_charge() -> None:
     a.tell(b)
     assert b.control.load.pending_prefill(A) == (0, 0)
     assert a.feed.snapshot().leases[0][4] == 0.0, "a snapshot says no prefill is left either"
+
+
+def test_affinity_learned_by_one_replica_reaches_the_others_bounded() -> None:
+    from extproc.control.peers import MAX_AFFINITY_KEYS
+
+    _load, peers, clock = world()
+    learned: list[tuple[list[int], str]] = []
+    peers.on_affinity = lambda chunks, endpoint: learned.append((list(chunks), endpoint))
+    feed = LeaseFeed("p1", lambda: iter(()), clock=clock, wall_clock=clock)
+    feed.affinity([1, 2, 3], A)
+    feed.affinity([9] * MAX_AFFINITY_KEYS, B)  # past the message's bound: not sent
+    peers.receive(PEER, encode(feed.delta()))
+    assert learned == [([1, 2, 3], A)]
+    too_many = Delta("p1", 9, 100.0, [], [], affinity=[([0] * (MAX_AFFINITY_KEYS + 1), A)])
+    with pytest.raises(PeerMessageError, match="affinity keys"):
+        peers.receive(PEER, encode(too_many))

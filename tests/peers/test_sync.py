@@ -105,9 +105,9 @@ def request_messages(body: bytes) -> list[ep.ProcessingRequest]:
 
 
 @contextlib.asynccontextmanager
-async def held_streams(port: int, count: int) -> AsyncIterator[list[str]]:
+async def held_streams(port: int, count: int, prompt: str = "hi") -> AsyncIterator[list[str]]:
     """``count`` streams answered with a destination and then held open (no response yet)."""
-    body = b'{"model": "%s", "prompt": "hi", "max_tokens": 4}' % LLAMA.encode()
+    body = b'{"model": "%s", "prompt": "%s", "max_tokens": 4}' % (LLAMA.encode(), prompt.encode())
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = ep_grpc.ExternalProcessorStub(channel)  # type: ignore[no-untyped-call]
         calls, picks = [], []
@@ -166,6 +166,13 @@ async def test_two_replicas_share_their_leases_and_forget_a_dead_peer(tmp_path: 
             assert (await b.state() or {})["inflight"] == {}, "B's own in-flight stays its own"
         await until(lambda: _leases_are(b, {}), within=0.5 + 0.5, what="A's releases on B")
 
+        # Approximate affinity (no KV events here) learned by A's decisions reaches B as well.
+        before = (await b.state() or {})["prefix"]["approximateBlocks"]
+        async with held_streams(a.grpc_port, 1, prompt="a long shared system prompt " * 40):
+            await until(
+                lambda: _approximate_blocks_above(b, before), within=1, what="A's affinity learned on B"
+            )
+
         async with held_streams(a.grpc_port, 3):
             await until(lambda: _leases_are(b, None, total=3), within=1, what="three held on A")
             a.kill()
@@ -199,3 +206,8 @@ async def _leases_are(replica: Replica, expected: dict[str, int] | None, *, tota
 async def _peer_dropped(replica: Replica) -> bool:
     state = await replica.state()
     return bool(state) and not state["peers"][0]["connected"] and state["peers"][0]["leases"] == {}  # type: ignore[index]
+
+
+async def _approximate_blocks_above(replica: Replica, floor: int) -> bool:
+    state = await replica.state()
+    return bool(state) and state["prefix"]["approximateBlocks"] > floor  # type: ignore[index]
