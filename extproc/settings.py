@@ -31,6 +31,11 @@ def parse_host_port(value: str, *, what: str) -> tuple[str, int]:
     return host, port
 
 
+def join_host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets (``[fd00::5]:9003``): how Envoy, ZMQ and URLs spell it."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def parse_namespaces(text: str | None) -> tuple[str, ...] | None:
     """``--namespaces a,b`` -> the names (blanks dropped); None (flag absent) -> None: all namespaces.
     :func:`check_namespaces` validates the result."""

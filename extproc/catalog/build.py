@@ -23,6 +23,7 @@ from extproc.catalog.model import (
     WorkerSet,
 )
 from extproc.catalog.resources import EndpointSlice, InferenceObjective, InferenceWorkerSet, Service
+from extproc.settings import join_host_port
 from extproc.types import EndpointAddress, ModelName, WorkerSetKey
 
 #: The Service port names the CRD falls back to (see inferenceworkerset.schema.json).
@@ -167,8 +168,7 @@ def _collect(
         return
     ports = _SidePorts.resolve(spec, endpoint_slice, default_metrics=port, problems=problems)
     for endpoint in endpoint_slice.endpoints:
-        host = f"[{endpoint.address}]" if endpoint_slice.address_type == "IPv6" else endpoint.address
-        address = f"{host}:{port}"
+        address = join_host_port(endpoint.address, port)  # IPv4 or IPv6 (FQDN slices are skipped)
         if endpoint.terminating:
             terminating.add(address)
         # ready=None means "unknown" in Kubernetes; routing to it beats refusing the request.

@@ -23,6 +23,7 @@ from extproc.catalog import fields
 from extproc.catalog.fields import FieldError
 from extproc.catalog.model import Endpoint, WorkerSet
 from extproc.catalog.resources import naming_object, object_metadata
+from extproc.settings import join_host_port
 from extproc.types import EndpointAddress, WorkerSetKey
 
 POOL_API = "inference.networking.k8s.io/v1"
@@ -180,9 +181,8 @@ def join_pool(pool: InferencePool, pods: Iterable[Pod]) -> WorkerSet:
         if not pod.routable(pool.selector):
             continue
         assert pod.ip is not None
-        host = f"[{pod.ip}]" if ":" in pod.ip else pod.ip
         for port in pool.target_ports:
-            address = f"{host}:{port}"
+            address = join_host_port(pod.ip, port)
             endpoints[address] = Endpoint(
                 EndpointAddress(address),
                 pod.ip,

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from extproc.settings import join_host_port
 from extproc.tasks import StartStop
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -177,8 +178,7 @@ class Backend(StartStop):
     @property
     def address(self) -> str:
         """``ip:port`` as Envoy and the catalog spell it (``[v6]:port`` for IPv6)."""
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"{host}:{self._port}"
+        return join_host_port(self._host, self._port)
 
     @property
     def requests_served(self) -> int:

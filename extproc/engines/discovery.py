@@ -27,6 +27,7 @@ import aiohttp
 from extproc.catalog.discovered import DiscoveredModel, EndpointModels
 from extproc.catalog.model import Catalog
 from extproc.engines.poller import EndpointPoller
+from extproc.settings import join_host_port
 from extproc.types import EndpointAddress, ModelName
 
 __all__ = [
@@ -160,8 +161,7 @@ def discovery_targets(catalog: Catalog) -> dict[EndpointAddress, Target]:
         except ValueError:
             interval = DEFAULT_INTERVAL  # validated by the source; never leave a set unpolled
         for endpoint in ws.endpoints:
-            host = f"[{endpoint.ip}]" if ":" in endpoint.ip else endpoint.ip
-            url = f"http://{host}:{endpoint.port}/v1/models"
+            url = f"http://{join_host_port(endpoint.ip, endpoint.port)}/v1/models"
             known = targets.get(endpoint.address)
             if known is None or interval < known.interval:
                 targets[endpoint.address] = Target(url, interval)

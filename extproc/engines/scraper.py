@@ -29,6 +29,7 @@ from extproc.catalog.store import CatalogStore
 from extproc.engines.metrics_page import MetricsParseError, parse_signals
 from extproc.engines.poller import EndpointPoller
 from extproc.scheduling.engine_signals import EngineSignals
+from extproc.settings import join_host_port
 from extproc.types import EndpointAddress, EngineKind, WorkerSetKey
 
 log = logging.getLogger(__name__)
@@ -110,9 +111,8 @@ def _targets(catalog: Catalog) -> Iterator[tuple[EndpointAddress, str, EngineKin
             if endpoint.address in seen:
                 continue
             seen.add(endpoint.address)
-            host = f"[{endpoint.ip}]" if ":" in endpoint.ip else endpoint.ip
             port = endpoint.port if endpoint.metrics_port is None else endpoint.metrics_port
-            yield endpoint.address, f"http://{host}:{port}/metrics", ws.engine_kind, key
+            yield endpoint.address, f"http://{join_host_port(endpoint.ip, port)}/metrics", ws.engine_kind, key
 
 
 #: Endpoints reconciled at a time when the catalog changes. A larger catalog is followed by a task,

@@ -22,6 +22,7 @@ from extproc.kvindex.events import Source
 from extproc.kvindex.index import PrefixIndex
 from extproc.kvindex.ingest import IndexIngest
 from extproc.kvindex.subscriptions import KVSubscriptions, SubscriptionTarget
+from extproc.settings import join_host_port
 from extproc.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -50,12 +51,12 @@ def plan_sources(catalog: Catalog) -> dict[Source, SourcePlan]:
             pub, replay = endpoint.kv_events_port, endpoint.kv_replay_port
             if pub is None or Source(endpoint.address, 0) in plans:
                 continue  # the same pod listed by two sets: the set sorted first keeps it
-            host = f"[{endpoint.ip}]" if ":" in endpoint.ip else endpoint.ip
+            ip = endpoint.ip
             namespace = ws.models[0].name
             for rank in range(ws.data_parallel_size):
                 target = SubscriptionTarget(
-                    pub_address=f"tcp://{host}:{pub + rank}",
-                    replay_address=None if replay is None else f"tcp://{host}:{replay + rank}",
+                    pub_address=f"tcp://{join_host_port(ip, pub + rank)}",
+                    replay_address=None if replay is None else f"tcp://{join_host_port(ip, replay + rank)}",
                 )
                 plans[Source(endpoint.address, rank)] = SourcePlan(target, namespace, ws.kv_block_size)
     return plans

@@ -17,6 +17,7 @@ from typing import Any
 from extproc.kube.client import ApiClient
 from extproc.kube.reflector import Reflector, ReflectorOptions
 from extproc.kube.resources import ENDPOINT_SLICES
+from extproc.settings import join_host_port, parse_host_port
 
 log = logging.getLogger(__name__)
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
@@ -73,8 +74,7 @@ def peer_addresses(slices: Iterable[Mapping[str, Any]], own: str) -> tuple[str, 
             if conditions.get("terminating") is True and conditions.get("serving") is False:
                 continue
             for ip in (endpoint.get("addresses") or [])[:1]:
-                host = f"[{ip}]" if ":" in ip else ip
-                address = f"{host}:{port}"
+                address = join_host_port(ip, port)
                 if address != own:
                     found.add(address)
     return tuple(sorted(found))
@@ -82,5 +82,4 @@ def peer_addresses(slices: Iterable[Mapping[str, Any]], own: str) -> tuple[str, 
 
 def bracketed(address: str) -> str:
     """``host:port`` with an IPv6 host in brackets (``fd00::5:9003`` -> ``[fd00::5]:9003``)."""
-    host, _, port = address.rpartition(":")
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else address
+    return join_host_port(*parse_host_port(address, what="peer address"))

@@ -15,7 +15,7 @@ from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as 
 from extproc.protocol.health import HealthService
 from extproc.protocol.service import ExternalProcessorService, Routing
 from extproc.protocol.stream import StreamOptions
-from extproc.settings import parse_host_port
+from extproc.settings import join_host_port, parse_host_port
 from extproc.telemetry import Metrics
 
 #: gRPC message headroom over the body limit (Envoy sends at most one body chunk per message).
@@ -73,7 +73,7 @@ class ExtProcListener:
         health_pb2_grpc.add_HealthServicer_to_server(HealthService(ready), server)
         host, port = parse_host_port(listen, what="--listen")
         try:
-            bound = server.add_insecure_port(_join(host, port))
+            bound = server.add_insecure_port(join_host_port(host, port))
         except RuntimeError as exc:
             raise ConfigError(f"--listen {listen}: cannot listen there ({exc})") from None
         await server.start()
@@ -82,7 +82,3 @@ class ExtProcListener:
     async def stop(self, *, grace: float) -> None:
         """Refuse new streams, let open ones finish for ``grace`` seconds, then cut them."""
         await self._server.stop(grace=grace)
-
-
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

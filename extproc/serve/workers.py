@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from extproc.errors import ExtprocError
-from extproc.settings import ServeSettings, parse_host_port
+from extproc.settings import ServeSettings, join_host_port, parse_host_port
 
 log = logging.getLogger(__name__)
 #: ``INDEX/PORT,PORT,...``: this process is worker INDEX; the ports are every worker's peer port.
@@ -37,7 +37,7 @@ def as_worker(settings: ServeSettings) -> ServeSettings:
     index_text, _, ports_text = spec.partition("/")
     index, ports = int(index_text), [int(p) for p in ports_text.split(",")]
     host, port = parse_host_port(settings.admin_listen, what="--admin-listen")
-    admin = f"[{host}]:{port + index}" if ":" in host else f"{host}:{port + index}"
+    admin = join_host_port(host, port + index)
     return dataclasses.replace(
         settings,
         workers=1,
