@@ -36,7 +36,7 @@ from typing import Any
 
 from bench.replay.arms import MODEL, PATH, Arm, Config, Sent, replay_catalog
 from bench.replay.events import router_batch
-from bench.replay.routers import Router, build_router, peer_copy
+from bench.replay.routers import Router, build_router
 from bench.replay.trace import TraceRequest, prompt_tokens
 from extproc.catalog.store import CatalogStore
 from extproc.control.load import Lease
@@ -302,10 +302,10 @@ class OfflineReplay:
         (False) or count it as past its prefill (None) a delay later."""
         if self.sync_delay_s is None or len(self.routers) == 1:
             return
-        copy = peer_copy(lease)
+        # A lease is a frozen value and the replay's clock is everyone's: peers count this very one.
         for other in self.routers:
             if other is not router:
-                self._at(self.now + self.sync_delay_s, self._SYNC, (other.load, copy, added))
+                self._at(self.now + self.sync_delay_s, self._SYNC, (other.load, lease, added))
 
     def _scrape(self) -> None:
         """Every engine's latency totals to the calibration, then the next scrape while work remains."""

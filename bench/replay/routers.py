@@ -21,7 +21,7 @@ from typing import Any
 from bench.machine import provenance
 from bench.replay.arms import Arm, Config
 from extproc.catalog.store import CatalogStore
-from extproc.control.load import Lease, LoadView
+from extproc.control.load import LoadView
 from extproc.control.requests import RequestControl
 from extproc.kvindex.events import Source
 from extproc.kvindex.follow import plan_sources
@@ -74,14 +74,6 @@ def build_router(
     )
     control = RequestControl(catalog=lambda: store.current, scheduler=scheduler, load=load, clock=clock)
     return Router(routing, load, scheduler, control, sources)
-
-
-def peer_copy(lease: Lease) -> Lease:
-    """A lease as a peer counts it: the same key and endpoint, its predicted prefill until the same
-    model time (the replay's clock is everyone's)."""
-    return Lease(
-        lease.owner, lease.number, lease.endpoint, lease.model, lease.prefill_tokens, lease.prefill_until
-    )
 
 
 def report(runs: list[dict[str, Any]]) -> str:

@@ -90,11 +90,7 @@ class LeaseHandover:
     def lent(self, number: int) -> Lease | None:
         """A peer's accounting stream holds our lease ``number`` (its routing stream was ours): it
         is no longer offered here, nor released at its routing stream's end; the peer ends it."""
-        token = f"{self._prefix}-{number}"
-        lease = self._open.pop(token, None)
-        if lease is None and token in self._waiting:
-            lease = self._waiting.pop(token)[0]
-        return lease
+        return self._take(f"{self._prefix}-{number}")
 
     def routing_ended(self, token: str) -> None:
         """The routing stream ended: release an unclaimed lease now, or after the grace period."""
@@ -117,11 +113,16 @@ class LeaseHandover:
         self._expire()
         if not token:
             return None
+        lease = self._take(token)
+        if lease is None and self.issued_here(token):
+            self.late += 1
+        return lease
+
+    def _take(self, token: str) -> Lease | None:
+        """The lease offered under ``token``, open or waiting out its grace, no longer offered."""
         lease = self._open.pop(token, None)
         if lease is None and token in self._waiting:
             lease = self._waiting.pop(token)[0]
-        if lease is None and self.issued_here(token):
-            self.late += 1
         return lease
 
     def issued_here(self, token: str) -> bool:
