@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from waiting import until
 
 from extproc.demo.catalog import LocalObjective, catalog_yaml
 from extproc.serve.app import Server
@@ -83,11 +84,10 @@ async def metric_sum(server: Server, session: aiohttp.ClientSession, name: str) 
 async def until_metric(
     server: Server, session: aiohttp.ClientSession, name: str, holds: Callable[[float], bool], what: str
 ) -> None:
-    for _ in range(100):
-        if holds(await metric_sum(server, session, name)):
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{what}: {name} = {await metric_sum(server, session, name)}")
+    async def holding() -> bool:
+        return holds(await metric_sum(server, session, name))
+
+    await until(holding, within=10, what=f"{what} ({name})", every=0.1)
 
 
 async def test_a_burst_on_a_full_pool_is_answered_in_full_and_priority_pushes_in(

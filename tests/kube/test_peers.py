@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import yaml
 from ports import free_port
+from waiting import until
 
 from .kubeenv import KubeEnv
 
@@ -45,15 +45,11 @@ async def debug_peers(admin_port: int) -> list[dict[str, Any]] | None:
 
 
 async def until_peers(admin_port: int, expected: list[tuple[str, bool]], within: float) -> None:
-    deadline = time.monotonic() + within
-    seen = None
-    while time.monotonic() < deadline:
+    async def seen_as_expected() -> bool:
         peers = await debug_peers(admin_port)
-        seen = None if peers is None else [(p["address"], p["connected"]) for p in peers]
-        if seen == expected:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"peers {seen} != {expected} within {within} s")
+        return peers is not None and [(p["address"], p["connected"]) for p in peers] == expected
+
+    await until(seen_as_expected, within=within, what=f"the peers of admin :{admin_port} are {expected}")
 
 
 async def test_replicas_find_each_other_in_the_service_and_follow_it(

@@ -13,7 +13,7 @@ import contextlib
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import aiohttp
 import grpc
 from integration.sim_gateway import LLAMA, engine_settings
 from ports import free_port
+from waiting import until
 
 from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
 from extproc.pb.envoy.config.core.v3 import base_pb2 as core
@@ -73,18 +74,6 @@ class Replica:
                     state: dict[str, Any] = await resp.json()
                     return state
         return None
-
-
-async def until(check: Callable[[], Any], *, within: float, what: str) -> Any:
-    """Poll an async ``check`` until it returns something truthy; its last value."""
-    deadline = time.monotonic() + within
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {within:g} s (last: {value!r})")
-        await asyncio.sleep(0.02)
 
 
 def request_messages(body: bytes) -> list[ep.ProcessingRequest]:

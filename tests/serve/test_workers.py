@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import grpc
 from integration.sim_gateway import LLAMA, engine_settings
 from peers.test_sync import request_messages
 from ports import free_port
+from waiting import until
 
 from extproc.demo.catalog import LocalWorkerSet, catalog_yaml
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -70,14 +70,13 @@ async def test_two_workers_share_the_port_and_peer_with_each_other(tmp_path: Pat
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         try:
-            deadline = time.monotonic() + 20
-            states: list[dict[str, Any] | None] = [None, None]
-            while time.monotonic() < deadline:
+
+            async def both_peered() -> list[dict[str, Any]] | None:
                 states = [await state(admin), await state(admin + 1)]
-                if all(s and s["peers"] and s["peers"][0]["connected"] for s in states):
-                    break
-                await asyncio.sleep(0.1)
-            assert all(s and s["peers"] and s["peers"][0]["connected"] for s in states), states
+                peered = all(s and s["peers"] and s["peers"][0]["connected"] for s in states)
+                return [s for s in states if s] if peered else None
+
+            states = await until(both_peered, within=20, what="both workers up and hearing each other")
             owners = {s["peers"][0]["owner"] for s in states if s}
             assert len(owners) == 2, "each worker hears the other, a process of its own"
             for _ in range(24):
