@@ -129,9 +129,10 @@ class Config:
     seed: int = 1
     #: Scrape each engine's /metrics every this many simulated seconds; 0 = no engine signals.
     scrape_interval: float = 0.0
-    #: Router replicas, requests spread round robin (offline replay only).
+    #: Router replicas, requests spread round robin.
     routers: int = 1
-    #: Model seconds a lease change takes to reach the other routers; None: they do not share.
+    #: None: the routers do not share. Otherwise they do: offline, a lease change reaches the others
+    #: this many model seconds later; online, through the real peer sync (whatever it takes).
     sync_delay_s: float | None = None
     #: Whose surface the simulated engines show (metric names, KV-event encoding): vllm or sglang.
     engine_kind: str = "vllm"

@@ -30,13 +30,12 @@ import gc
 import heapq
 import itertools
 import time
-from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bench.replay.arms import MODEL, PATH, Arm, Config, Sent, replay_catalog
 from bench.replay.events import router_batch
-from bench.replay.routers import Router, build_router
+from bench.replay.routers import Router, build_router, summed
 from bench.replay.trace import TraceRequest, prompt_tokens
 from extproc.catalog.store import CatalogStore
 from extproc.control.load import Lease
@@ -194,7 +193,7 @@ class OfflineReplay:
             "wall_s": self.now,
             "router_client_cpu_s": time.process_time() - cpu0,
             "engine_cpu_s": 0.0,
-            "prefix_lookups": _summed(r.routing.matcher.counters.lookups for r in self.routers),
+            "prefix_lookups": summed(r.routing.matcher.counters.lookups for r in self.routers),
             "routers": len(self.routers),
             "sync_delay_s": self.sync_delay_s,
             "refused_too_long": self.refused,
@@ -360,11 +359,3 @@ class OfflineReplay:
             "queue": engine.queue,
             "e2e": engine.e2e,
         }
-
-
-def _summed(counters: Iterable[Mapping[str, int]]) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for counter in counters:
-        for key, value in counter.items():
-            total[key] = total.get(key, 0) + value
-    return total

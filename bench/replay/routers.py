@@ -13,7 +13,7 @@ import json
 import random
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +74,15 @@ def build_router(
     )
     control = RequestControl(catalog=lambda: store.current, scheduler=scheduler, load=load, clock=clock)
     return Router(routing, load, scheduler, control, sources)
+
+
+def summed(counters: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """The routers' counters added up, key by key."""
+    total: dict[str, int] = {}
+    for counter in counters:
+        for key, value in counter.items():
+            total[key] = total.get(key, 0) + value
+    return total
 
 
 def report(runs: list[dict[str, Any]]) -> str:

@@ -1,15 +1,10 @@
 """Replay a Mooncake trace against simulated engines, one routing policy after another.
 
-Each policy ("arm") gets a fresh fleet of simulated engines (empty caches) in a child process, and
-the bench process runs the router's real decision path against it: the real :class:`Scheduler`
-with the real :class:`PrefixRouting` (tokenizer ``extproc:tiny``, ZMQ KV-event subscriptions to
-every engine, the follower, the prefix matcher), in-flight leases held until each response ends.
-Requests then go over HTTP straight to the chosen engine: no Envoy, because on a 2-core machine
-Envoy's CPU would distort the engines' pacing more than the routing we want to compare.
-
-Two processes so both cores work: engines (their model-time pacing is sensitive to CPU starvation)
-in the child, router + load client in the parent. Engine-side numbers (prefix-cache counters, TTFT
-and end-to-end latency in *simulated* seconds) come back from the child when the arm ends.
+Online (the default, :mod:`bench.replay.online`): fresh simulated engines per policy ("arm") in a
+child process, the router's real decision path and the load client in this one, wall clock scaled
+by ``--time-scale``. Offline (``--offline``, :mod:`bench.replay.offline`): the same decision path
+and engine cores in virtual time, in one process, deterministic per seed. Engine-side numbers
+(prefix-cache counters, TTFT and end-to-end latency in *simulated* seconds) make the report.
 
 Run from the repo root: ``.venv/bin/python -m bench.replay [--quick]`` (see ``--help``).
 """
@@ -21,327 +16,39 @@ import asyncio
 import contextlib
 import json
 import logging
-import multiprocessing as mp
-import random
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, replace
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
-
-import aiohttp
-import orjson
 
 from bench.machine import machine
 from bench.replay import report
 from bench.replay.arms import (
-    MODEL,
-    PATH,
     REPO,
     TRACE,
     Arm,
     Config,
-    Sent,
     default_arms,
-    replay_catalog,
 )
 from bench.replay.offline import OfflineReplay
-from bench.replay.stalls import StallSampler
+from bench.replay.online import run_arm
 from bench.replay.trace import (
     TraceRequest,
     load,
     pooled_lru,
-    prompt_tokens,
     spread_arrivals,
     summary,
     upper_bound,
 )
-from extproc.catalog.store import CatalogStore
-from extproc.control.load import LoadView
-from extproc.control.requests import RequestControl
-from extproc.demo.catalog import LocalWorkerSet, kv_ports_of
-from extproc.engines.scraper import EngineScraper
-from extproc.openai import read_request
-from extproc.scheduling.hooks import remember_affinity
-from extproc.scheduling.scheduler import Scheduler
-from extproc.serve.prefix_routing import PrefixRouting
-from extproc.settings import CandidateSettings, PrefixSettings, TokenizerSpec
+from extproc.settings import CandidateSettings
 from extproc.sim.engine_core import EngineParams
 from extproc.sim.prefix_cache import HASH_ALGOS
 from extproc.tokenize import shipped_tokenizer
-from extproc.tokenize.registry import SHIPPED_TOKENIZER
 
 log = logging.getLogger("bench.replay")
-
-
-# -- the engines (child process) --------------------------------------------------------------------
-
-
-def fleet_main(config: dict[str, Any], conn: Connection) -> None:
-    """Child process entry: run the fleet until told to stop, then send back the engines' numbers."""
-    logging.basicConfig(level=logging.WARNING)
-    asyncio.run(_fleet(config, conn))
-
-
-async def _fleet(config: dict[str, Any], conn: Connection) -> None:
-    from extproc.sim.fleet import SimFleet
-    from extproc.sim.kv_wire import EventEncoding
-    from extproc.sim.settings import KVEventSettings, SimSettings
-
-    kind = config.get("engine_kind", "vllm")
-    encoding = EventEncoding.SGLANG if kind == "sglang" else EventEncoding.MAPS
-    settings = SimSettings(
-        engine_kind=kind,
-        listen="127.0.0.1:0",
-        served_model_names=(MODEL,),
-        engine=EngineParams(**config["engine"]),
-        time_scale=config["time_scale"],
-        enable_prompt_tokens_details=True,
-        kv_events=KVEventSettings(port=0, replay_port=0, encoding=encoding),
-    )
-    observed: dict[str, dict[str, list[float]]] = {}
-    cpu0 = time.process_time()
-    stalls = StallSampler()
-    stalls.start()
-    async with SimFleet(settings, replicas=config["engines"]) as fleet:
-        for server in fleet.servers:
-            seen = observed.setdefault(server.address, {"ttft": [], "queue": [], "e2e": []})
-            _tap(server.metrics, seen)
-        conn.send(
-            [
-                {
-                    "address": s.address,
-                    "kv": s.state()["ranks"][0]["kv_events"]["endpoint"],
-                    "replay": s.state()["ranks"][0]["kv_events"]["replay_endpoint"],
-                }
-                for s in fleet.servers
-            ]
-        )
-        await asyncio.get_running_loop().run_in_executor(None, conn.recv)
-        engines = []
-        for server in fleet.servers:
-            stats = [rank.stats() for rank in server.ranks]
-            engines.append(
-                {
-                    "address": server.address,
-                    "prefix_cache_queries": sum(s.prefix_cache_queries for s in stats),
-                    "prefix_cache_hits": sum(s.prefix_cache_hits for s in stats),
-                    # Hits on the CPU offload tier (0 without one): loaded back, not recomputed.
-                    "external_prefix_cache_hits": sum(s.external_prefix_cache_hits for s in stats),
-                    "preemptions": sum(s.num_preemptions for s in stats),
-                    "prompt_tokens": sum(s.prompt_tokens for s in stats),
-                    "requests_finished": server.requests_finished,
-                    # Wall seconds the engine loops fell behind their model and gave up on.
-                    "lag_dropped_s": sum(rank.loop.lag_dropped_s for rank in server.ranks),
-                    **observed[server.address],
-                }
-            )
-        stalls.stop()
-        conn.send({"engines": engines, "cpu_s": time.process_time() - cpu0, "stalls": stalls.summary()})
-
-
-def _tap(metrics: Any, seen: dict[str, list[float]]) -> None:
-    """Keep every TTFT / queue / e2e observation (simulated seconds), not just histogram buckets."""
-    first, finished = metrics.observe_first_token, metrics.observe_finished
-
-    def observe_first_token(engine: str, *, ttft: float, queue_time: float) -> None:
-        seen["ttft"].append(ttft)
-        seen["queue"].append(queue_time)
-        first(engine, ttft=ttft, queue_time=queue_time)
-
-    def observe_finished(engine: str, *, e2e: float, finish_reason: str) -> None:
-        seen["e2e"].append(e2e)
-        finished(engine, e2e=e2e, finish_reason=finish_reason)
-
-    metrics.observe_first_token = observe_first_token
-    metrics.observe_finished = observe_finished
-
-
-# -- the router + client (this process) -------------------------------------------------------------
-
-
-async def run_arm(arm: Arm, requests: list[TraceRequest], cfg: Config, vocab: int) -> dict[str, Any]:
-    """Start fresh engines, replay ``requests`` at their scaled arrival times, collect everything."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(
-        target=fleet_main,
-        args=(
-            {
-                "engines": cfg.engines,
-                "time_scale": cfg.time_scale,
-                "engine": cfg.engine,
-                "engine_kind": cfg.engine_kind,
-            },
-            child,
-        ),
-        daemon=True,
-    )
-    proc.start()
-    loop = asyncio.get_running_loop()
-    try:
-        servers = await loop.run_in_executor(None, _recv, parent, 60.0)
-        return await _replay(arm, requests, cfg, vocab, servers, parent)
-    finally:
-        if proc.is_alive():
-            with contextlib.suppress(OSError):
-                parent.send("stop")  # an arm that failed midway: let the engines shut down cleanly
-            proc.join(timeout=10)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=5)
-
-
-def _recv(conn: Connection, timeout: float) -> Any:
-    if not conn.poll(timeout):
-        raise TimeoutError(f"no answer from the engine process in {timeout:g} s")
-    return conn.recv()
-
-
-async def _replay(
-    arm: Arm,
-    requests: list[TraceRequest],
-    cfg: Config,
-    vocab: int,
-    servers: list[dict[str, str]],
-    conn: Connection,
-) -> dict[str, Any]:
-    addresses = [s["address"] for s in servers]
-    kv_ports = {} if arm.approximate else {s["address"]: kv_ports_of(s["kv"], s["replay"]) for s in servers}
-    worker_set = LocalWorkerSet(
-        "replay", MODEL, addresses, kv_block_size=cfg.engine.get("block_size", 16), kv_ports=kv_ports
-    )
-    store = CatalogStore()
-    routing = PrefixRouting(PrefixSettings(tokenizers=(TokenizerSpec(MODEL, SHIPPED_TOKENIZER),)), store)
-    routing.start()
-    store.publish(replay_catalog(worker_set))
-    scraper = None
-    if cfg.scrape_interval > 0:
-        scraper = EngineScraper(store, interval=cfg.scrape_interval * cfg.time_scale)
-        scraper.start()
-    load = LoadView()
-    scheduler = Scheduler(
-        load,
-        arm.policy,
-        max_fallbacks=0,
-        rng=random.Random(cfg.seed),
-        prefix=routing.matcher,
-        signals=None if scraper is None else scraper.usable,
-        hooks=(remember_affinity(routing.matcher),),
-        candidates=arm.candidates,
-    )
-    control = RequestControl(catalog=lambda: store.current, scheduler=scheduler, load=load)
-    sent: list[Sent] = []
-    loop = asyncio.get_running_loop()
-    try:
-        await _wait_subscribed(routing, 0 if arm.approximate else len(addresses))
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-            cpu0, t0 = time.process_time(), time.monotonic()
-            tasks = []
-            for request in requests:
-                due = t0 + request.arrival_s * cfg.time_scale
-                delay = due - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                record = Sent(request.index, "", lag_s=max(time.monotonic() - due, 0.0))
-                sent.append(record)
-                tasks.append(asyncio.create_task(_one(session, control, arm, request, cfg, vocab, record)))
-            await asyncio.gather(*tasks)
-            wall = time.monotonic() - t0
-            cpu = time.process_time() - cpu0
-        conn.send("stop")
-        engines = await loop.run_in_executor(None, _recv, conn, 60.0)
-        lookups = dict(routing.matcher.counters.lookups)
-    finally:
-        await routing.close()
-        if scraper is not None:
-            await scraper.close()
-    return {
-        "name": arm.name,
-        "prefix_mode": "approximate" if arm.approximate else "precise",
-        "wall_s": wall,
-        "router_client_cpu_s": cpu,
-        "engine_cpu_s": engines["cpu_s"],
-        "prefix_lookups": lookups,
-        "engines": engines["engines"],
-        "engine_stalls": engines["stalls"],
-        "requests": [asdict(s) for s in sent],
-    }
-
-
-async def _wait_subscribed(routing: PrefixRouting, sources: int, wait_s: float = 20.0) -> None:
-    """Traffic starts only once every engine's KV-event subscription is connected (a fresh engine has
-    published nothing yet, so there is nothing to sync until the first event)."""
-    deadline = time.monotonic() + wait_s
-    while sources and time.monotonic() < deadline:
-        stats = routing.subscriptions.stats()
-        if len(stats) >= sources and all(s.connected for s in stats.values()):
-            await asyncio.sleep(0.2)  # ZMQ's slow joiner: let PUB see the SUB before the first event
-            return
-        await asyncio.sleep(0.05)
-    if sources:
-        raise TimeoutError(f"KV-event subscriptions not ready: {routing.subscriptions.stats()}")
-
-
-async def _one(
-    session: aiohttp.ClientSession,
-    control: RequestControl,
-    arm: Arm,
-    request: TraceRequest,
-    cfg: Config,
-    vocab: int,
-    record: Sent,
-) -> None:
-    """Route one request through the real scheduler, send it to the pick, hold the lease to the end."""
-    start = time.monotonic()
-    max_tokens = max(1, min(request.output_length, cfg.output_cap))
-    body = {
-        "model": MODEL,
-        "prompt": prompt_tokens(request, vocab),
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    decision = control.decide(read_request(PATH, body))
-    address = decision.pick.address
-    record.endpoint = address
-    record.router_cached = decision.prefix.cached_tokens.get(address, 0)
-    record.decide_s = time.monotonic() - start
-    tokens, seconds = decision.prefill
-    lease = control.acquire(
-        address, model=MODEL, prefill_tokens=tokens, prefill_seconds=seconds * cfg.time_scale
-    )
-    if arm.active is not None:
-        arm.active.start(request.index, address, request.input_length, record.router_cached)
-    try:
-        async with session.post(f"http://{address}{PATH}", data=orjson.dumps(body)) as resp:
-            if resp.status != 200:
-                record.error = f"{resp.status}: {(await resp.text())[:200]}"
-                return
-            async for line in resp.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                chunk = orjson.loads(line[6:])
-                if record.ttft_wall_s is None and chunk.get("choices"):
-                    record.ttft_wall_s = time.monotonic() - start
-                    if arm.active is not None:
-                        arm.active.first_token(request.index)
-                usage = chunk.get("usage")
-                if usage:
-                    details = usage.get("prompt_tokens_details") or {}
-                    record.engine_cached = details.get("cached_tokens")
-        record.e2e_wall_s = time.monotonic() - start
-        record.ok = True
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        record.error = repr(exc)
-    finally:
-        control.release(lease)
-        if arm.active is not None:
-            arm.active.finish(request.index)
 
 
 def _variants(
@@ -496,14 +203,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--routers",
         type=int,
         default=1,
-        help="--offline: also play each policy with this many router replicas, requests round robin, "
-        "with peer sync and without (default 1: one router)",
+        help="also play each policy with this many router replicas, requests round robin, with peer "
+        "sync and without (online: the real sync over loopback; offline: modelled). Default 1",
     )
     p.add_argument(
         "--sync-delay-ms",
         type=float,
         default=5.0,
-        help="--routers: model milliseconds a lease change takes to reach the other routers",
+        help="--offline --routers: model milliseconds a lease change takes to reach the other routers "
+        "(online, it takes what the real sync takes)",
     )
     p.add_argument("--only", nargs="*", help="run only the policies whose names start with these")
     p.add_argument("--trace", type=Path, default=TRACE)
@@ -518,8 +226,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.out = REPO / f"bench/results/raw/replay{'_offline' if args.offline else ''}.json"
     if args.offline and args.scrape_interval > 0:
         p.error("--offline does not model engine signals: leave --scrape-interval at 0")
-    if args.routers < 1 or (args.routers > 1 and not args.offline):
-        p.error("--routers N (N >= 1) is modelled in --offline replays only")
+    if args.routers < 1:
+        p.error(f"--routers N needs N >= 1, got {args.routers}")
     if not args.trace.is_file():
         p.error(f"no trace at {args.trace}: pass --trace PATH (a Mooncake-format .jsonl)")
     return args
@@ -608,7 +316,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             summary_ = summarize(raw, 1.0)
         else:
             log.warning("arm %s: %d requests, time scale %g", arm.name, len(requests), cfg.time_scale)
-            raw = await run_arm(arm, requests, cfg, vocab)
+            raw = await run_arm(arm, requests, arm_cfg, vocab)
             summary_ = summarize(raw, cfg.time_scale)
         log.warning(
             "arm %s: hit %.3f ttft p50 %.3f p99 %.3f s, wall %.0f s",

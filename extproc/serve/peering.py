@@ -67,6 +67,7 @@ class Peering:
         load.on_prefill_over += [self.feed.prefill_over, self.sync.changed]
         registry.register(PeerCollector(self))
         self._configured = peers
+        self._discovered: tuple[str, ...] = ()
         #: Finds more peers in a Service (``--peer-service``), when given.
         self.finder = None if service is None else PeerFinder(service[0], service[1], listen, self._found)
         self._tasks: list[asyncio.Task[None]] = []
@@ -88,7 +89,13 @@ class Peering:
             self.feed.affinity(decision.prefix.approx_keys, decision.pick.address)
             self.sync.changed(None)
 
+    def add_peers(self, addresses: tuple[str, ...]) -> None:
+        """Follow these beside the configured ones (peers whose ports are known only once bound)."""
+        self._configured = tuple(dict.fromkeys([*self._configured, *addresses]))
+        self._found(self._discovered)
+
     def _found(self, addresses: tuple[str, ...]) -> None:
+        self._discovered = addresses
         self.sync.follow(tuple(dict.fromkeys([*self._configured, *addresses])))
 
     def debug_state(self) -> list[dict[str, object]]:
