@@ -29,8 +29,8 @@ from typing import Any
 
 from bench.machine import machine, machine_busy_seconds, provenance, record
 from bench.replay.arms import TRACE, Config, default_arms
-from bench.replay.report import MAX_DISPATCH_LAG_MS, validity
 from bench.replay.online import run_arm
+from bench.replay.report import MAX_DISPATCH_LAG_MS, validity
 from bench.replay.run import summarize
 from bench.replay.trace import load, summary
 from extproc.sim.engine_core import EngineParams

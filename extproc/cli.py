@@ -217,7 +217,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         type=int,
         default=_SERVE["workers"],
         help="processes serving the same --listen port (the kernel spreads Envoy's connections), "
-        "peered over loopback, so one pod uses N cores; worker i answers admin on the admin port + i",
+        "peered with each other, so one pod uses N cores; worker i answers admin on the admin port + i "
+        "and, with --peer-listen HOST:PORT, publishes on PORT + i",
     )
     r.add_argument(
         "--peer-service",

@@ -342,6 +342,12 @@ class ServeSettings:
     workers: int = 1
     #: This process is one of several workers on one port (set by ``--workers``, not a flag).
     reuse_port: bool = False
+    #: With ``--workers N`` and ``--peer-listen HOST:PORT``, this worker publishes on PORT + this
+    #: index (set by ``--workers``, not a flag).
+    peer_worker: int = 0
+    #: Ports every replica (this one too) publishes on, from its ``--peer-listen`` port up: one per
+    #: worker, so every replica runs the same ``--workers`` (set by ``--workers``, not a flag).
+    peer_fanout: int = 1
     #: ``NAMESPACE/NAME`` of a Service whose EndpointSlices list the replicas (``--peer-service``,
     #: with ``--source kube``): its port named ``peer``; the addresses found join ``peers``.
     peer_service: str | None = None
@@ -355,11 +361,13 @@ class ServeSettings:
             parse_host_port(peer, what="--peers")
         if not 1 <= self.workers <= 64:
             raise ConfigError(f"--workers must be 1 to 64, got {self.workers}")
-        if self.workers > 1 and (self.peer_listen or self.peers or self.peer_service):
-            raise ConfigError(
-                "--workers N peers its workers itself; with --peer-listen, --peers or "
-                "--peer-service (replicas in other pods) it is not supported yet"
-            )
+        if self.workers > 1 and self.peer_listen is not None:
+            port = parse_host_port(self.peer_listen, what="--peer-listen")[1]
+            if port == 0 or port + self.workers - 1 > 65535:
+                raise ConfigError(
+                    f"--workers {self.workers} with --peer-listen: the workers publish on {self.workers} "
+                    f"ports from the one given, which must be fixed (not 0) and leave room, got {port}"
+                )
         if self.workers > 1 and parse_host_port(self.listen, what="--listen")[1] == 0:
             raise ConfigError("--workers N needs a --listen port of its own (not 0): the workers share it")
         if (self.peers or self.peer_service) and self.peer_listen is None:

@@ -34,8 +34,25 @@ DATA = Path(__file__).resolve().parent / "data" / "catalog.yaml"
             "--tokenize-budget-ms must be positive",
         ),
         (["--source", f"file:{DATA}", "--tokenize-queue", "0"], 2, "--tokenize-queue must be at least 1"),
+        (
+            [
+                *("--source", f"file:{DATA}", "--listen", "127.0.0.1:9", "--workers", "2"),
+                *("--peer-listen", "127.0.0.1:0", "--peers", "127.0.0.2:9003"),
+            ],
+            2,
+            "the workers publish on 2 ports from the one given, which must be fixed (not 0)",
+        ),
     ],
-    ids=["missing-file", "bad-source", "bad-listen", "bad-fallbacks", "threads", "budget", "queue"],
+    ids=[
+        "missing-file",
+        "bad-source",
+        "bad-listen",
+        "bad-fallbacks",
+        "threads",
+        "budget",
+        "queue",
+        "workers",
+    ],
 )
 async def test_serve_refuses_bad_setup_clearly(args: list[str], code: int, message: str) -> None:
     """Bad flags or an unreadable source exit non-zero with a message naming the problem."""

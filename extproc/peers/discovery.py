@@ -80,6 +80,26 @@ def peer_addresses(slices: Iterable[Mapping[str, Any]], own: str) -> tuple[str, 
     return tuple(sorted(found))
 
 
+def worker_ports(replicas: Iterable[str], fanout: int, own: str) -> tuple[str, ...]:
+    """What a worker follows: each replica's ``--peer-listen`` address ``host:port`` stands for its
+    ``fanout`` workers on ``port`` .. ``port + fanout - 1``; ``own`` (this worker's) is left out.
+    A wildcard host (a replica bound to every interface) is followed on loopback."""
+    followed: dict[str, None] = {}
+    for replica in replicas:
+        host, port = parse_host_port(replica, what="peer address")
+        host = _LOOPBACK.get(host, host)
+        for offset in range(fanout):
+            followed[join_host_port(host, port + offset)] = None
+    own_host, own_port = parse_host_port(own, what="--peer-listen")
+    followed.pop(join_host_port(own_host, own_port), None)
+    followed.pop(join_host_port(_LOOPBACK.get(own_host, own_host), own_port), None)
+    return tuple(followed)
+
+
+#: Where a worker reaches a sibling bound to every interface.
+_LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1"}
+
+
 def bracketed(address: str) -> str:
     """``host:port`` with an IPv6 host in brackets (``fd00::5:9003`` -> ``[fd00::5]:9003``)."""
     return join_host_port(*parse_host_port(address, what="peer address"))

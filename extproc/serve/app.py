@@ -126,6 +126,8 @@ class Server(StartStop):
                 self.metrics.registry,
                 service=self._peer_service(),
                 approx=self.prefix.approx,
+                worker=settings.peer_worker,
+                fanout=settings.peer_fanout,
             )
         )
         self.metrics.buffered_bytes.set_function(lambda: self.budget.held)

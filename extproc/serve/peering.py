@@ -18,9 +18,10 @@ from extproc.control.peers import LeaseFeed, PeerLeases, SharedAccounting
 from extproc.control.requests import RequestControl
 from extproc.kube.client import ApiClient
 from extproc.kvindex.approx import ApproxPrefixIndex
-from extproc.peers.discovery import PeerFinder
+from extproc.peers.discovery import PeerFinder, worker_ports
 from extproc.peers.sync import PeerSync
 from extproc.scheduling.scheduler import Decision
+from extproc.settings import join_host_port, parse_host_port
 from extproc.tasks import cancel_and_wait
 from extproc.types import EndpointAddress
 
@@ -37,10 +38,21 @@ class Peering:
         *,
         service: tuple[ApiClient, str] | None = None,
         approx: ApproxPrefixIndex | None = None,
+        worker: int = 0,
+        fanout: int = 1,
     ) -> None:
+        """``listen`` and ``peers`` are replicas' ``--peer-listen`` addresses; with ``fanout`` > 1
+        (``--workers``) each stands for that many workers on consecutive ports, this process being
+        worker ``worker`` of its own replica (it publishes on the port + ``worker``)."""
         load, owner = control.load, control.owner
+        host, port = parse_host_port(listen, what="--peer-listen")
+        self._replica, self._fanout = listen, fanout
+        own = join_host_port(host, port + worker)
+        self._configured = peers
+        self._discovered: tuple[str, ...] = ()
+        self._own = own
         self.feed = LeaseFeed(owner, lambda: load.leases(owner), prefilling=load.prefilling)
-        self.peers = PeerLeases(load, peers, own=owner)
+        self.peers = PeerLeases(load, self._followed(), own=owner)
         # A request routed here and accounted on a peer (or the other way round) counts once.
         shared = SharedAccounting(owner, self.feed, control.handover.lent, control.release, self.peers.knows)
         self.feed.held = lambda: shared.held.keys()
@@ -57,7 +69,7 @@ class Peering:
             registry=registry,
         )
         self.sync = PeerSync(
-            listen,
+            own,
             self.feed,
             self.peers,
             on_sent=lambda kind, size: self.frame_bytes.labels(kind).observe(size),
@@ -66,8 +78,6 @@ class Peering:
         load.on_release += [self.feed.removed, self.sync.changed]
         load.on_prefill_over += [self.feed.prefill_over, self.sync.changed]
         registry.register(PeerCollector(self))
-        self._configured = peers
-        self._discovered: tuple[str, ...] = ()
         #: Finds more peers in a Service (``--peer-service``), when given.
         self.finder = None if service is None else PeerFinder(service[0], service[1], listen, self._found)
         self._tasks: list[asyncio.Task[None]] = []
@@ -96,7 +106,13 @@ class Peering:
 
     def _found(self, addresses: tuple[str, ...]) -> None:
         self._discovered = addresses
-        self.sync.follow(tuple(dict.fromkeys([*self._configured, *addresses])))
+        self.sync.follow(self._followed())
+
+    def _followed(self) -> tuple[str, ...]:
+        replicas = [*self._configured, *self._discovered]
+        if self._fanout > 1:
+            replicas.append(self._replica)  # the other workers of this pod
+        return worker_ports(replicas, self._fanout, self._own)
 
     def debug_state(self) -> list[dict[str, object]]:
         return self.peers.debug_state()

@@ -4,6 +4,8 @@ One ``serve`` is one event loop on one core. With ``--workers N`` the process st
 supervisor: it starts N copies of itself (the same arguments), which share the ``--listen`` port
 (``SO_REUSEPORT``: the kernel spreads incoming connections, and Envoy's connections with them) and
 share their leases over loopback peer sync, so each decides with every worker's requests as load.
+With ``--peer-listen HOST:PORT`` (replicas in other pods too), worker ``i`` publishes on PORT + ``i``
+and follows the same N ports of every peer replica and of its own pod.
 Worker ``i`` answers its admin HTTP on the admin port + ``i`` (worker 0 on the port given, for
 probes). The supervisor passes SIGTERM on and ends when they do; if a worker dies, it stops the
 others and exits with an error, so the pod restarts whole.
@@ -38,11 +40,15 @@ def as_worker(settings: ServeSettings) -> ServeSettings:
     index, ports = int(index_text), [int(p) for p in ports_text.split(",")]
     host, port = parse_host_port(settings.admin_listen, what="--admin-listen")
     admin = join_host_port(host, port + index)
+    worker = dataclasses.replace(
+        settings, workers=1, reuse_port=True, admin_listen=admin if port else settings.admin_listen
+    )
+    if settings.peer_listen is not None:
+        # Peered with replicas in other pods too: worker i publishes on the --peer-listen port + i,
+        # and follows every port of every replica, its own pod's included (extproc.peers.discovery).
+        return dataclasses.replace(worker, peer_worker=index, peer_fanout=settings.workers)
     return dataclasses.replace(
-        settings,
-        workers=1,
-        reuse_port=True,
-        admin_listen=admin if port else settings.admin_listen,
+        worker,
         peer_listen=f"127.0.0.1:{ports[index]}",
         peers=tuple(f"127.0.0.1:{p}" for i, p in enumerate(ports) if i != index),
     )
