@@ -221,6 +221,14 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "and, with --peer-listen HOST:PORT, publishes on PORT + i",
     )
     r.add_argument(
+        "--peer-key-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="a file holding the replicas' shared CURVE secret key (`extproc peer-key` prints one): "
+        "peer sync is then encrypted, and only holders of the key may subscribe or pass for a peer",
+    )
+    r.add_argument(
         "--peer-service",
         default=None,
         metavar="NAMESPACE/NAME",
@@ -353,6 +361,7 @@ def _serve_settings(args: argparse.Namespace) -> ServeSettings:
         scrape_interval=args.scrape_interval,
         decision_headers=args.decision_headers,
         peer_listen=args.peer_listen,
+        peer_key_file=args.peer_key_file,
         peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
         peer_service=args.peer_service,
         workers=args.workers,
@@ -409,7 +418,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_reconcile_parser(sub)
     _fitted_profiles_parser(sub)
+    p = sub.add_parser("peer-key", help="print a new CURVE secret key for --peer-key-file")
+    p.set_defaults(handler=_run_peer_key)
     return parser
+
+
+async def _run_peer_key(_args: argparse.Namespace, _stop: asyncio.Event) -> None:
+    from extproc.peers.curve import new_secret
+
+    print(new_secret())
 
 
 #: A fitted-profiles page is a few hundred bytes per profile name; past this something else answered.

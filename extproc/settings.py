@@ -351,6 +351,9 @@ class ServeSettings:
     #: ``NAMESPACE/NAME`` of a Service whose EndpointSlices list the replicas (``--peer-service``,
     #: with ``--source kube``): its port named ``peer``; the addresses found join ``peers``.
     peer_service: str | None = None
+    #: A file holding the replicas' shared CURVE secret key (``--peer-key-file``): peer sync is then
+    #: encrypted, and only holders of the key may subscribe or pass for a peer. None: plain ZMQ.
+    peer_key_file: Path | None = None
 
     def __post_init__(self) -> None:
         parse_host_port(self.listen, what="--listen")
@@ -370,6 +373,8 @@ class ServeSettings:
                 )
         if self.workers > 1 and parse_host_port(self.listen, what="--listen")[1] == 0:
             raise ConfigError("--workers N needs a --listen port of its own (not 0): the workers share it")
+        if self.peer_key_file is not None and self.peer_listen is None:
+            raise ConfigError("--peer-key-file needs --peer-listen (it secures peer sync)")
         if (self.peers or self.peer_service) and self.peer_listen is None:
             raise ConfigError("--peers and --peer-service need --peer-listen (peers hear this replica there)")
         if self.peer_service is not None:

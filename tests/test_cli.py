@@ -62,6 +62,19 @@ async def test_serve_refuses_bad_setup_clearly(args: list[str], code: int, messa
     assert "Traceback" not in output
 
 
+async def test_peer_key_prints_a_key_serve_accepts(tmp_path: Path) -> None:
+    """``extproc peer-key > FILE`` makes a key file ``--peer-key-file`` reads (a Kubernetes Secret's)."""
+    from extproc.peers.curve import read_key
+
+    code, output = await run_extproc("peer-key")
+    assert code == 0, output
+    key = tmp_path / "key"
+    key.write_text(output)
+    assert read_key(key).secret == output.strip().encode()
+    second = await run_extproc("peer-key")
+    assert second[1] != output, "a new key each time"
+
+
 async def test_serve_runs_and_stops_on_sigterm() -> None:
     """serve becomes ready on its admin port and exits 0 on SIGTERM."""
     admin = free_port()

@@ -55,7 +55,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "sim": frozenset({"tokenize"}),
     "gateway": frozenset(),
     "demo": frozenset({"gateway", "serve", "sim", "tokenize"}),
-    "cli": frozenset({"demo", "reconcile", "scheduling", "serve", "sim", "tokenize"}),
+    "cli": frozenset({"demo", "peers", "reconcile", "scheduling", "serve", "sim", "tokenize"}),
     "__init__": frozenset(),
     "__main__": frozenset({"cli"}),
 }
@@ -65,7 +65,13 @@ ADAPTERS: dict[str, frozenset[str]] = {
     "grpc": frozenset({"protocol", "pb"}),
     "grpc_health": frozenset({"protocol"}),
     "zmq": frozenset(
-        {"kvindex/subscriber.py", "kvindex/subscriptions.py", "peers/sync.py", "sim/kv_publisher.py"}
+        {
+            "kvindex/subscriber.py",
+            "kvindex/subscriptions.py",
+            "peers/curve.py",
+            "peers/sync.py",
+            "sim/kv_publisher.py",
+        }
     ),
     "kubernetes": frozenset({"kube"}),
 }

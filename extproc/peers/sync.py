@@ -5,8 +5,9 @@ What travels is :mod:`extproc.control.peers`' messages: this replica's lease del
 :data:`~extproc.control.peers.SNAPSHOT_S`. A SUB connects out to its peer's PUB and nothing
 connects in to it, so only configured peers are heard. What protects the PUB (anyone who reaches
 the port may subscribe and read which endpoints hold how many requests) is the bind address and
-the network: bind a pod IP, and allow the port from the router's own pods only (a NetworkPolicy).
-Nothing here runs for a single replica.
+the network: bind a pod IP, and allow the port from the router's own pods only (a NetworkPolicy);
+and optionally a shared CURVE key (:mod:`extproc.peers.curve`), without which nobody can subscribe
+or pass for a peer. Nothing here runs for a single replica.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from extproc.control.peers import (
     PeerMessageError,
     encode,
 )
+from extproc.peers.curve import CurveGuard, CurveKey
 from extproc.peers.discovery import bracketed
 from extproc.telemetry import LogLimiter
 
@@ -48,12 +50,15 @@ class PeerSync:
         peers: PeerLeases,
         *,
         on_sent: Callable[[str, int], None] = lambda _kind, _size: None,
+        curve: CurveKey | None = None,
     ) -> None:
         self.listen = listen
         self._feed = feed
         self._peers = peers
         self._on_sent = on_sent
         self._ctx = zmq.asyncio.Context()
+        #: With a peer key (``--peer-key-file``): CURVE on every socket, and who may subscribe.
+        self._guard = None if curve is None else CurveGuard(self._ctx, curve)
         self._pub: zmq.asyncio.Socket | None = None
         self._flush: asyncio.TimerHandle | None = None
         #: Messages sent, by kind.
@@ -67,11 +72,19 @@ class PeerSync:
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.IPV6, 1)
         pub.setsockopt(zmq.SNDHWM, 10_000)
+        if self._guard is not None:
+            self._guard.start()
+            self._guard.server(pub)
         pub.bind(f"tcp://{bracketed(self.listen)}")
         port = self.listen.rpartition(":")[2]
         self._pub = pub
         endpoint = pub.getsockopt(zmq.LAST_ENDPOINT)
         return int(endpoint.decode().rsplit(":", 1)[1]) if isinstance(endpoint, bytes) else int(port)
+
+    @property
+    def refused_subscribers(self) -> int:
+        """Subscribers refused for not holding the peer key (0 without one)."""
+        return 0 if self._guard is None else self._guard.refused
 
     def changed(self, _lease: Lease | None) -> None:
         """A lease of ours came or went: send the batch soon (once per burst)."""
@@ -100,6 +113,8 @@ class PeerSync:
             self._following.clear()
             if self._flush is not None:
                 self._flush.cancel()
+            if self._guard is not None:
+                self._guard.stop()
             self._ctx.destroy(linger=0)
 
     async def _heartbeat(self) -> None:
@@ -117,6 +132,8 @@ class PeerSync:
         sub.setsockopt(zmq.RECONNECT_IVL, 100)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        if self._guard is not None:
+            self._guard.client(sub)
         sub.connect(f"tcp://{bracketed(address)}")
         try:
             while True:

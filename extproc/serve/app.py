@@ -25,6 +25,7 @@ from extproc.control.requests import RequestControl
 from extproc.engines.discovery import ModelDiscovery
 from extproc.engines.scraper import EngineScraper
 from extproc.kube.client import ApiClient
+from extproc.peers.curve import read_key
 from extproc.protocol.budget import BodyBudget
 from extproc.protocol.listener import ExtProcListener
 from extproc.protocol.stream import StreamOptions
@@ -128,6 +129,7 @@ class Server(StartStop):
                 approx=self.prefix.approx,
                 worker=settings.peer_worker,
                 fanout=settings.peer_fanout,
+                curve=None if settings.peer_key_file is None else read_key(settings.peer_key_file),
             )
         )
         self.metrics.buffered_bytes.set_function(lambda: self.budget.held)

@@ -18,6 +18,7 @@ from extproc.control.peers import LeaseFeed, PeerLeases, SharedAccounting
 from extproc.control.requests import RequestControl
 from extproc.kube.client import ApiClient
 from extproc.kvindex.approx import ApproxPrefixIndex
+from extproc.peers.curve import CurveKey
 from extproc.peers.discovery import PeerFinder, worker_ports
 from extproc.peers.sync import PeerSync
 from extproc.scheduling.scheduler import Decision
@@ -40,6 +41,7 @@ class Peering:
         approx: ApproxPrefixIndex | None = None,
         worker: int = 0,
         fanout: int = 1,
+        curve: CurveKey | None = None,
     ) -> None:
         """``listen`` and ``peers`` are replicas' ``--peer-listen`` addresses; with ``fanout`` > 1
         (``--workers``) each stands for that many workers on consecutive ports, this process being
@@ -47,10 +49,9 @@ class Peering:
         load, owner = control.load, control.owner
         host, port = parse_host_port(listen, what="--peer-listen")
         self._replica, self._fanout = listen, fanout
-        own = join_host_port(host, port + worker)
+        self._own = own = join_host_port(host, port + worker)
         self._configured = peers
         self._discovered: tuple[str, ...] = ()
-        self._own = own
         self.feed = LeaseFeed(owner, lambda: load.leases(owner), prefilling=load.prefilling)
         self.peers = PeerLeases(load, self._followed(), own=owner)
         # A request routed here and accounted on a peer (or the other way round) counts once.
@@ -73,6 +74,7 @@ class Peering:
             self.feed,
             self.peers,
             on_sent=lambda kind, size: self.frame_bytes.labels(kind).observe(size),
+            curve=curve,
         )
         load.on_add += [self.feed.added, self.sync.changed]
         load.on_release += [self.feed.removed, self.sync.changed]
@@ -145,6 +147,11 @@ class PeerCollector(Collector):
             "extproc_peer_messages_refused",
             "Peer messages refused: undecodable, too large, or from an address that is no configured peer.",
             value=peers.refused,
+        )
+        yield CounterMetricFamily(
+            "extproc_peer_subscribers_refused",
+            "Subscribers to this replica's peer port refused for not holding the peer key (--peer-key-file).",
+            value=sync.refused_subscribers,
         )
         if peers.lag_s is not None:
             yield GaugeMetricFamily(
