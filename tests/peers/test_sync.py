@@ -34,8 +34,9 @@ from extproc.sim.server import SimServer
 class Replica:
     """One ``extproc serve`` subprocess with peer sync."""
 
-    def __init__(self, catalog: Path, peer_port: int, peer_of: int, log: Path) -> None:
+    def __init__(self, catalog: Path, peer_port: int, peer_of: int, log: Path, *extra: str) -> None:
         self.catalog, self.peer_port, self.peer_of, self.log = catalog, peer_port, peer_of, log
+        self.extra = extra
         self.grpc_port, self.admin_port = free_port(), free_port()
         self.proc: asyncio.subprocess.Process | None = None
         self._log: Any = None
@@ -50,7 +51,7 @@ class Replica:
             sys.executable, "-m", "extproc", "serve", "--source", f"file:{self.catalog}",
             "--listen", f"127.0.0.1:{self.grpc_port}", "--admin-listen", f"127.0.0.1:{self.admin_port}",
             "--peer-listen", f"127.0.0.1:{self.peer_port}", "--peers", f"127.0.0.1:{self.peer_of}",
-            "--scrape-interval", "0", "--drain-seconds", "0",
+            "--scrape-interval", "0", "--drain-seconds", "0", *self.extra,
             stdout=asyncio.subprocess.DEVNULL, stderr=self._log,
         )  # fmt: skip
         await until(lambda: self.state(), within=15, what="serve answering /debug/state")
@@ -176,6 +177,27 @@ async def test_two_replicas_share_their_leases_and_forget_a_dead_peer(tmp_path: 
         stack.push_async_callback(a.stop)
         await a.start()
         await until(lambda: _leases_are(b, {}), within=10, what="A rejoins with 0 leases")
+
+
+async def test_replicas_with_one_peer_key_share_their_leases(tmp_path: Path) -> None:
+    """``--peer-key-file`` on both: the sync runs over CURVE and works as without it."""
+    from extproc.peers.curve import new_secret
+
+    key = tmp_path / "peer-key"
+    key.write_text(new_secret() + "\n")
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(SimServer(engine_settings())) for _ in range(2)]
+        catalog = tmp_path / "catalog.yaml"
+        catalog.write_text(catalog_yaml([LocalWorkerSet("llama", LLAMA, [e.address for e in engines])]))
+        port_a, port_b = free_port(), free_port()
+        a = Replica(catalog, port_a, port_b, tmp_path / "a.log", "--peer-key-file", str(key))
+        b = Replica(catalog, port_b, port_a, tmp_path / "b.log", "--peer-key-file", str(key))
+        for replica in (a, b):
+            stack.push_async_callback(replica.stop)
+            await replica.start()
+        async with held_streams(a.grpc_port, 4) as picks:
+            expected = {e: picks.count(e) for e in set(picks)}
+            await until(lambda: _leases_are(b, expected), within=10, what="A's leases on B, over CURVE")
 
 
 async def _connected(replica: Replica) -> bool:
