@@ -169,39 +169,60 @@ class PackedRows:
 class PackedHolders:
     """Settled keys of one tier class -> the slot bitmask of the sources holding each."""
 
-    __slots__ = ("_id_of", "_masks_at_collect", "_words", "empty", "ids", "keys", "masks")
+    __slots__ = ("_id_of", "_masks_at_collect", "_table", "_words", "empty")
 
     def __init__(self) -> None:
-        self.keys: U64 = np.array([_SENTINEL], np.uint64)
-        self.ids: U32 = np.zeros(1, np.uint32)
-        #: Interned holder sets: id -> slot bitmask; id 0 is nobody (a key whose last holder left).
-        self.masks: list[int] = [0]
+        #: (keys, holder-set ids, interned holder sets), replaced as one so that a lookup running
+        #: beside a settling round in a worker thread always reads a matching three
+        #: (:meth:`~extproc.kvindex.index.PrefixIndex.apply`). Holder sets: id -> slot bitmask; id 0
+        #: is nobody (a key whose last holder left). A new set is appended before an id refers to it.
+        self._table: tuple[U64, U32, list[int]] = (
+            np.array([_SENTINEL], np.uint64),
+            np.zeros(1, np.uint32),
+            [0],
+        )
         self._id_of: dict[int, int] = {0: 0}
         self._masks_at_collect = 1
-        self._words: U64 | None = None
+        #: (the holder sets' list, its length, those sets as uint64s), while no slot is past 63.
+        self._words: tuple[list[int], int, U64] | None = None
         #: Rows held by nobody, dropped at the next merge.
         self.empty = 0
+
+    @property
+    def keys(self) -> U64:
+        return self._table[0]
+
+    @property
+    def ids(self) -> U32:
+        return self._table[1]
+
+    @property
+    def masks(self) -> list[int]:
+        return self._table[2]
 
     def __len__(self) -> int:
         """Keys with at least one holder."""
         return len(self.keys) - 1 - self.empty
 
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.ids.nbytes
+        keys, ids, _ = self._table
+        return keys.nbytes + ids.nbytes
 
     def mask_of(self, key: int) -> int:
         """The holder bitmask of one key (one search)."""
-        row = int(self.keys.searchsorted(np.uint64(key)))  # never past the end: the sentinel
-        return self.masks[int(self.ids[row])] if int(self.keys[row]) == key else 0
+        keys, ids, masks = self._table
+        row = int(keys.searchsorted(np.uint64(key)))  # never past the end: the sentinel
+        return masks[int(ids[row])] if int(keys[row]) == key else 0
 
-    def ids_for(self, keys: Sequence[int]) -> U32:
-        """The holder-set id of each of ``keys`` (0 where nobody holds it); :attr:`masks` maps ids."""
-        stored = self.keys
+    def ids_for(self, keys: Sequence[int]) -> tuple[U32, list[int]]:
+        """The holder-set id of each of ``keys`` (0 where nobody holds it), and the holder sets those
+        ids index."""
+        stored, held, masks = self._table
         wanted = np.frombuffer(array("Q", keys), np.uint64)
         rows = stored.searchsorted(wanted)  # never past the end: the last key is _SENTINEL
-        ids: U32 = self.ids[rows]
+        ids: U32 = held[rows]
         ids[stored[rows] != wanted] = 0
-        return ids
+        return ids, masks
 
     def release(self, keys: U64, bit: int) -> None:
         """``bit``'s source no longer holds ``keys`` (all present, as the caller's rows say)."""
@@ -223,7 +244,8 @@ class PackedHolders:
         if self.empty:
             keep = self.ids != 0
             keep[-1] = True  # the sentinel
-            self.keys, self.ids, self.empty = self.keys[keep], self.ids[keep], 0
+            self._table = (self.keys[keep], self.ids[keep], self.masks)
+            self.empty = 0
         added = np.fromiter(recent, np.uint64, len(recent))
         bits = list(recent.values())
         if wide:
@@ -254,23 +276,27 @@ class PackedHolders:
             self.ids[rows] = new_ids
             fresh = ~exists
             added, ids, at = added[fresh], ids[fresh], at[fresh]
-        self.keys, self.ids = _insert(at, (self.keys, added), (self.ids, ids))
+        keys, held = _insert(at, (self.keys, added), (self.ids, ids))
+        self._table = (keys, held, self.masks)
         if len(self.masks) > 2 * self._masks_at_collect + 4096:
             self._collect()
         return overlaps
 
-    def mask_words(self) -> U64:
-        """:attr:`masks` as uint64s (only while no slot is past 63)."""
-        if self._words is None:
-            self._words = np.array(self.masks, np.uint64)
-        return self._words
+    def mask_words(self, masks: list[int]) -> U64:
+        """``masks`` (this table's holder sets, as :meth:`ids_for` returned them) as uint64s (only
+        while no slot is past 63)."""
+        cached = self._words
+        if cached is not None and cached[0] is masks and cached[1] == len(masks):
+            return cached[2]
+        words = np.array(masks, np.uint64)
+        self._words = (masks, len(words), words)
+        return words
 
     def _intern(self, mask: int) -> int:
         found = self._id_of.get(mask)
         if found is None:
             found = self._id_of[mask] = len(self.masks)
             self.masks.append(mask)
-            self._words = None
         return found
 
     def _collect(self) -> None:
@@ -279,11 +305,10 @@ class PackedHolders:
         used = used[used != 0]
         remap = np.zeros(len(self.masks), np.uint32)
         remap[used] = np.arange(1, len(used) + 1, dtype=np.uint32)
-        self.ids = remap[self.ids]
-        self.masks = [0, *(self.masks[i] for i in used.tolist())]
-        self._id_of = {mask: i for i, mask in enumerate(self.masks)}
-        self._words = None
-        self._masks_at_collect = len(self.masks)
+        masks = [0, *(self.masks[i] for i in used.tolist())]
+        self._table = (self.keys, remap[self.ids], masks)
+        self._id_of = {mask: i for i, mask in enumerate(masks)}
+        self._masks_at_collect = len(masks)
 
 
 def _insert(at: Rows, *columns: tuple[npt.NDArray[Any], npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:

@@ -117,21 +117,21 @@ def _walk_chunk(
 ) -> tuple[int, int]:
     """One chunk of the walk, at ``offset`` in the prompt."""
     count = len(keys)
-    settled_ids = holdings.settled.ids_for(keys)
-    masks = holdings.settled.masks
-    recent = [holdings.recent]
-    if holdings.lower is not None:
-        lower_recent, lower_settled = holdings.lower
-        settled_ids, masks = _combine(settled_ids, masks, lower_settled.ids_for(keys), lower_settled.masks)
-        recent.append(lower_recent)
-    if holdings.words:
-        words = np.array(masks, np.uint64) if holdings.lower is not None else holdings.settled.mask_words()
-        held_words = words[settled_ids]
-        for holders in recent:
-            if holders:
-                held_words |= np.frombuffer(array("Q", map(holders.get, keys, repeat(0))), np.uint64)
-        return _narrow_words(held_words, offset, mask, record)
+    recent = [holdings.recent] if holdings.lower is None else [holdings.recent, holdings.lower[0]]
+    # The recent layer before the settled one: a settling round in a worker thread publishes the
+    # merged settled keys before it empties the recent ones, so read in this order a lookup running
+    # beside it sees every key in one layer or the other.
     found = [list(map(holders.get, keys, repeat(0))) for holders in recent if holders]
+    settled_ids, masks = holdings.settled.ids_for(keys)
+    if holdings.lower is not None:
+        settled_ids, masks = _combine(settled_ids, masks, *holdings.lower[1].ids_for(keys))
+    if holdings.words:
+        lower = holdings.lower is not None
+        words = np.array(masks, np.uint64) if lower else holdings.settled.mask_words(masks)
+        held_words = words[settled_ids]
+        for held in found:
+            held_words |= np.frombuffer(array("Q", held), np.uint64)
+        return _narrow_words(held_words, offset, mask, record)
     hits = sum(count - held.count(0) for held in found)
     changes: Iterable[int]
     if hits > count // 4:  # mostly in the recent layer too: block by block is cheaper
