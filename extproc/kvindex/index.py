@@ -3,6 +3,17 @@
 Pure: no sockets, no asyncio, no pods. One writer (the subscriber glue) calls :meth:`apply` per
 batch; the request path calls :meth:`match` synchronously in between, so nothing needs a lock.
 
+A settling round grows with the blocks held (about a second near a fleet's default memory budget).
+With ``rounds_elsewhere``, a round due past ``inline_round_blocks`` is not run by :meth:`apply`:
+the glue sees :meth:`round_due`, calls :meth:`begin_round` on the event loop, :meth:`run_round` in a
+worker thread (numpy's copies, sorts and searches release the GIL, and the loop gets the GIL back
+every few milliseconds anyway), and :meth:`end_round` on the loop again. In between, the index is
+frozen as far as the loop can tell: every write (batches, sources added, dropped, cleared) waits in
+order and is applied by :meth:`end_round`, and lookups read what the index held when the round
+began. A lookup running beside the round is safe because the round only publishes whole tables
+(:class:`~extproc.kvindex.packed.PackedHolders`) and empties a recent layer only after publishing
+what replaces it, while walks read the recent layer first.
+
 Layout: every registered :class:`Source` owns a *slot*, a bit position (freed slots are reused
 lowest first so masks stay short). Blocks live in one of two layers, per tier class (GPU, and
 "lower" = every other medium):
@@ -40,7 +51,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from extproc.kvindex.events import GPU_MEDIA, BlockRemoved, BlockStored, DecodedBatch, Source
 from extproc.kvindex.keys import KEY_MASK, block_keys, namespace_seed
@@ -58,6 +69,9 @@ SETTLE_FRACTION = 32
 BYTES_PER_BLOCK = 40
 #: Slots are 16 bits wide in nothing but this bound: more sources than any fleet registers at once.
 MAX_SOURCES = 65_535
+#: With rounds run elsewhere, smaller rounds still run inline (~40-70 ms per million blocks held,
+#: cheaper than handing them to a thread).
+INLINE_ROUND_BLOCKS = 1_000_000
 
 
 def blocks_within(memory_bytes: int) -> int:
@@ -69,7 +83,13 @@ class PrefixIndex:
     """Longest cached prefix per source, in our own block keys (:mod:`extproc.kvindex.keys`)."""
 
     def __init__(
-        self, *, max_entries: int, max_entries_per_source: int, hot_blocks: int = HOT_BLOCKS
+        self,
+        *,
+        max_entries: int,
+        max_entries_per_source: int,
+        hot_blocks: int = HOT_BLOCKS,
+        rounds_elsewhere: bool = False,
+        inline_round_blocks: int = INLINE_ROUND_BLOCKS,
     ) -> None:
         if min(max_entries, max_entries_per_source, hot_blocks) < 1:
             raise ValueError(
@@ -94,6 +114,71 @@ class PrefixIndex:
         self._all_bits = 0
         self._blocks = 0
         self._totals = ApplyResult()
+        #: Rounds over ``inline_round_blocks`` are left to the caller (:meth:`round_due`).
+        self._rounds_elsewhere = rounds_elsewhere
+        self._inline_round_blocks = inline_round_blocks
+        #: While a round runs elsewhere: the writes that wait for it, in order, and the stats then.
+        self._deferred: list[tuple[Callable[..., object], tuple[object, ...]]] | None = None
+        self._deferred_blocks = 0
+        self._added_in_round: set[Source] = set()
+        self._stats_at_round: IndexStats | None = None
+
+    # --- rounds elsewhere -----------------------------------------------------------------------
+
+    def round_due(self) -> bool:
+        """A round is due that :meth:`apply` left to the caller (never while one runs)."""
+        return (
+            self._deferred is None
+            and self._rounds_elsewhere
+            and self._stored_since_settle >= self._settle_at
+            and self._blocks >= self._inline_round_blocks
+        )
+
+    @property
+    def in_round(self) -> bool:
+        """Between :meth:`begin_round` and :meth:`end_round`."""
+        return self._deferred is not None
+
+    @property
+    def deferred_blocks(self) -> int:
+        """Blocks in the batches waiting for the round (the caller bounds them by waiting)."""
+        return self._deferred_blocks
+
+    def begin_round(self) -> None:
+        """From now until :meth:`end_round`, writes wait; call :meth:`run_round` (in a thread)."""
+        if self._deferred is not None:
+            raise RuntimeError("a settling round is already running")
+        self._stats_at_round = self.stats()
+        self._deferred = []
+
+    def run_round(self) -> float:
+        """The round itself (the one call that may run in another thread); returns its seconds."""
+        if self._deferred is None:
+            raise RuntimeError("run_round outside begin_round / end_round")
+        took = self._settle()
+        self._totals.settle_seconds += took
+        return took
+
+    def end_round(self) -> list[ApplyResult]:
+        """Apply the writes that waited, in order; returns the results of their batches."""
+        deferred, self._deferred = self._deferred or [], None
+        self._deferred_blocks, self._stats_at_round = 0, None
+        self._added_in_round.clear()
+        results = []
+        for write, args in deferred:
+            try:
+                outcome = write(*args)
+            except KeyError:  # a batch or state change for a source dropped meanwhile
+                continue
+            if isinstance(outcome, ApplyResult):
+                results.append(outcome)
+        return results
+
+    def _defer(self, write: Callable[..., object], *args: object) -> bool:
+        if self._deferred is None:
+            return False
+        self._deferred.append((write, args))
+        return True
 
     # --- sources -------------------------------------------------------------------------------
 
@@ -105,6 +190,12 @@ class PrefixIndex:
         """
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if self._defer(self._add_source, source, namespace, block_size):
+            self._added_in_round.add(source)
+            return
+        self._add_source(source, namespace, block_size)
+
+    def _add_source(self, source: Source, namespace: str, block_size: int) -> None:
         state = self._states.get(source)
         if state is not None:
             if (state.namespace, state.block_size) != (namespace, block_size):
@@ -124,6 +215,8 @@ class PrefixIndex:
 
     def drop_source(self, source: Source) -> None:
         """Forget a source and all its blocks (endpoint gone). Unknown sources are ignored."""
+        if self._defer(self.drop_source, source):
+            return
         state = self._states.pop(source, None)
         if state is None:
             return
@@ -134,11 +227,13 @@ class PrefixIndex:
 
     def clear_source(self, source: Source) -> None:
         """Drop a source's blocks but keep it registered (publisher restarted: history is gone)."""
-        self._clear(self._states[source])
+        if not self._defer(self.clear_source, source):
+            self._clear(self._states[source])
 
     def set_complete(self, source: Source, complete: bool) -> None:
         """Record whether the source's stream is its publisher's whole history (set by the glue)."""
-        self._states[source].complete = complete
+        if not self._defer(self.set_complete, source, complete):
+            self._states[source].complete = complete
 
     def incomplete_sources(self) -> frozenset[Source]:
         return frozenset(s for s, state in self._states.items() if not state.complete)
@@ -153,7 +248,15 @@ class PrefixIndex:
     # --- events --------------------------------------------------------------------------------
 
     def apply(self, source: Source, batch: DecodedBatch) -> ApplyResult:
-        """Apply one decoded batch of ``source``'s events, in order. Raises KeyError for unknown sources."""
+        """Apply one decoded batch of ``source``'s events, in order. Raises KeyError for unknown sources.
+
+        During a round run elsewhere the batch waits for :meth:`end_round` (an empty result now)."""
+        if self._deferred is not None:
+            if source not in self._states and source not in self._added_in_round:
+                raise KeyError(source)
+            self._deferred.append((self.apply, (source, batch)))
+            self._deferred_blocks += sum(len(e.engine_hashes) for e in batch.events if type(e) is BlockStored)
+            return ApplyResult()
         state = self._states[source]
         result = ApplyResult(skipped=batch.skipped, ignored=batch.ignored)
         for event in batch.events:
@@ -173,7 +276,9 @@ class PrefixIndex:
                 self._clear(state)
         if self._pending:
             self._flush(result)
-        if self._stored_since_settle >= self._settle_at:
+        if self._stored_since_settle >= self._settle_at and not (
+            self._rounds_elsewhere and self._blocks >= self._inline_round_blocks
+        ):
             result.settle_seconds = self._settle()
         self._totals.add(result)
         return result
@@ -408,7 +513,10 @@ class PrefixIndex:
     # --- introspection -------------------------------------------------------------------------
 
     def stats(self) -> IndexStats:
-        """Sizes and counters for metrics and /debug (O(sources))."""
+        """Sizes and counters for metrics and /debug (O(sources)); during a round run elsewhere,
+        as they were when it began."""
+        if self._stats_at_round is not None:
+            return self._stats_at_round
         totals = ApplyResult()
         totals.add(self._totals)
         sources = {

@@ -4,6 +4,10 @@ Runs on the event loop, called by one subscriber task per source (the single wri
 source's state). A payload that does not decode is counted and logged at most once a minute per
 source; it never ends the stream. Batches for sources the index no longer knows (an endpoint left
 while its subscriber was stopping) are counted and dropped.
+
+Large settling rounds run in a worker thread (:mod:`extproc.kvindex.rounds`), so the loop keeps
+routing meanwhile; what the subscribers deliver during a round is held there, in order, and handled
+after it.
 """
 
 from __future__ import annotations
@@ -12,17 +16,19 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from extproc.kvindex.decode import KVDecodeError, decode_batch
 from extproc.kvindex.events import DecodedBatch, Source
 from extproc.kvindex.index import PrefixIndex
+from extproc.kvindex.rounds import OffLoopRounds
 from extproc.telemetry import LogLimiter
 
 log = logging.getLogger(__name__)
 
 #: Seconds between two logs of the same problem for one source.
 LOG_INTERVAL = 60.0
-#: A settling round longer than this is logged (requests wait for it).
+#: A settling round on the event loop longer than this is logged (requests wait for it).
 SLOW_SETTLE_S = 0.1
 
 
@@ -53,12 +59,40 @@ class IndexIngest:
     #: Settling rounds longer than this many seconds are logged.
     slow_settle_s: float = SLOW_SETTLE_S
     health: dict[Source, SourceHealth] = field(default_factory=dict)
+    #: Large settling rounds in a thread, and what arrives meanwhile (:mod:`extproc.kvindex.rounds`).
+    rounds: OffLoopRounds = field(init=False)
     _log_limiter: LogLimiter[Source] = field(init=False)
 
     def __post_init__(self) -> None:
         self._log_limiter = LogLimiter(self.clock, LOG_INTERVAL)
+        self.rounds = OffLoopRounds(self.index)
 
     def on_batch(self, source: Source, seq: int, payload: bytes) -> None:
+        if self.rounds.busy:
+            self.rounds.hold(partial(self._batch, source, seq, payload), len(payload))
+        else:
+            self._batch(source, seq, payload)
+
+    def on_decoded(self, source: Source, batch: DecodedBatch) -> None:
+        """Apply a batch already in domain events (what :meth:`on_batch` does after decoding)."""
+        if self.rounds.busy:
+            self.rounds.hold(partial(self._decoded, source, batch), 64 * len(batch.events))
+        else:
+            self._decoded(source, batch)
+
+    def on_reset(self, source: Source, reason: str) -> None:
+        if self.rounds.busy:
+            self.rounds.hold(partial(self._reset, source, reason), 0)
+        else:
+            self._reset(source, reason)
+
+    def on_completeness(self, source: Source, complete: bool, reason: str) -> None:
+        if self.rounds.busy:
+            self.rounds.hold(partial(self._completeness, source, complete, reason), 0)
+        else:
+            self._completeness(source, complete, reason)
+
+    def _batch(self, source: Source, seq: int, payload: bytes) -> None:
         try:
             batch = decode_batch(payload)
         except KVDecodeError as exc:
@@ -67,16 +101,16 @@ class IndexIngest:
                 source, "decode", "kv batch not decoded source=%s seq=%d error=%s", source, seq, exc
             )
             return
-        self.on_decoded(source, batch)
+        self._decoded(source, batch)
 
-    def on_decoded(self, source: Source, batch: DecodedBatch) -> None:
-        """Apply a batch already in domain events (what :meth:`on_batch` does after decoding)."""
+    def _decoded(self, source: Source, batch: DecodedBatch) -> None:
         try:
             result = self.index.apply(source, batch)
         except KeyError:
             self.counters.unknown_source += 1
             return
         self.counters.batches += 1
+        self.rounds.maybe_start()
         if result.settle_seconds > self.slow_settle_s:
             self._log_sometimes(
                 source,
@@ -99,7 +133,7 @@ class IndexIngest:
                 source,
             )
 
-    def on_reset(self, source: Source, reason: str) -> None:
+    def _reset(self, source: Source, reason: str) -> None:
         self.counters.resets += 1
         self.health.setdefault(source, SourceHealth()).last_reset = reason
         if self._log_limiter.allow(source, "reset"):
@@ -107,7 +141,7 @@ class IndexIngest:
         if source in self.index.sources():
             self.index.clear_source(source)
 
-    def on_completeness(self, source: Source, complete: bool, reason: str) -> None:
+    def _completeness(self, source: Source, complete: bool, reason: str) -> None:
         health = self.health.setdefault(source, SourceHealth())
         health.complete, health.reason = complete, reason
         if source in self.index.sources():
@@ -116,6 +150,10 @@ class IndexIngest:
             self._log_sometimes(
                 source, "incomplete", "kv source incomplete source=%s reason=%s", source, reason
             )
+
+    def close(self) -> None:
+        """Stop the round thread (the process is ending)."""
+        self.rounds.close()
 
     def forget(self, source: Source) -> None:
         """The source left the catalog: drop what we kept about it."""

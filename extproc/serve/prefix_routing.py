@@ -40,6 +40,7 @@ class PrefixRouting:
         self.index = PrefixIndex(
             max_entries=settings.index_max_blocks or blocks_within(settings.index_memory_mib * 2**20),
             max_entries_per_source=settings.index_max_blocks_per_endpoint,
+            rounds_elsewhere=True,  # large settling rounds in a thread (IndexIngest), not on the loop
         )
         self.approx = ApproxPrefixIndex(max_entries=settings.approx_max_blocks)
         self.ingest = IndexIngest(self.index)
@@ -93,6 +94,7 @@ class PrefixRouting:
         self._unsubscribe()
         await self.parity.close()
         await self.follower.close()
+        self.ingest.close()
         if self.tokenize_pool is not None:
             self.tokenize_pool.close()
 
@@ -268,9 +270,19 @@ class PrefixCollector(Collector):
         yield GaugeMetricFamily(
             "extproc_kv_index_settle_seconds_max",
             "The longest settling round of the KV-event index so far (recent blocks packed into "
-            "arrays; the event loop waits for it): ~40 ms per million blocks held.",
+            "arrays): ~40-60 ms per million blocks held; the event loop waits for rounds below a "
+            "million blocks, larger ones run in a thread.",
             value=stats.settle_seconds_max,
         )
+        rounds = CounterMetricFamily(
+            "extproc_kv_index_settle_rounds",
+            "Settling rounds of the KV-event index by where they ran: in a thread beside the event "
+            "loop, or waited for by the loop because too many events queued meanwhile.",
+            labels=["where"],
+        )
+        rounds.add_metric(["thread"], self._routing.ingest.rounds.in_thread)
+        rounds.add_metric(["waited"], self._routing.ingest.rounds.waited)
+        yield rounds
         yield GaugeMetricFamily(
             "extproc_kv_index_settled_bytes",
             "Bytes of the KV-event index's settled layer (flat arrays, most of its blocks).",
