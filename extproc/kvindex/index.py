@@ -3,9 +3,9 @@
 Pure: no sockets, no asyncio, no pods. One writer (the subscriber glue) calls :meth:`apply` per
 batch; the request path calls :meth:`match` synchronously in between, so nothing needs a lock.
 
-A settling round grows with the blocks held (about a second near a fleet's default memory budget).
-With ``rounds_elsewhere``, a round due past ``inline_round_blocks`` is not run by :meth:`apply`:
-the glue sees :meth:`round_due`, calls :meth:`begin_round` on the event loop, :meth:`run_round` in a
+A settling round grows with the blocks held (about a second near a fleet's default memory budget)
+and with the sources (~20-30 ms for a thousand). With ``rounds_elsewhere``, :meth:`apply` runs no
+round: the glue sees :meth:`round_due`, calls :meth:`begin_round` on the event loop, :meth:`run_round` in a
 worker thread (numpy's copies, sorts and searches release the GIL, and the loop gets the GIL back
 every few milliseconds anyway), and :meth:`end_round` on the loop again. In between, the index is
 frozen as far as the loop can tell: every write (batches, sources added, dropped, cleared) waits in
@@ -69,9 +69,6 @@ SETTLE_FRACTION = 32
 BYTES_PER_BLOCK = 40
 #: Slots are 16 bits wide in nothing but this bound: more sources than any fleet registers at once.
 MAX_SOURCES = 65_535
-#: With rounds run elsewhere, smaller rounds still run inline (~40-70 ms per million blocks held,
-#: cheaper than handing them to a thread).
-INLINE_ROUND_BLOCKS = 1_000_000
 
 
 def blocks_within(memory_bytes: int) -> int:
@@ -89,7 +86,6 @@ class PrefixIndex:
         max_entries_per_source: int,
         hot_blocks: int = HOT_BLOCKS,
         rounds_elsewhere: bool = False,
-        inline_round_blocks: int = INLINE_ROUND_BLOCKS,
     ) -> None:
         if min(max_entries, max_entries_per_source, hot_blocks) < 1:
             raise ValueError(
@@ -114,9 +110,8 @@ class PrefixIndex:
         self._all_bits = 0
         self._blocks = 0
         self._totals = ApplyResult()
-        #: Rounds over ``inline_round_blocks`` are left to the caller (:meth:`round_due`).
+        #: Rounds are left to the caller (:meth:`round_due`).
         self._rounds_elsewhere = rounds_elsewhere
-        self._inline_round_blocks = inline_round_blocks
         #: While a round runs elsewhere: the writes that wait for it, in order, and the stats then.
         self._deferred: list[tuple[Callable[..., object], tuple[object, ...]]] | None = None
         self._deferred_blocks = 0
@@ -127,12 +122,8 @@ class PrefixIndex:
 
     def round_due(self) -> bool:
         """A round is due that :meth:`apply` left to the caller (never while one runs)."""
-        return (
-            self._deferred is None
-            and self._rounds_elsewhere
-            and self._stored_since_settle >= self._settle_at
-            and self._blocks >= self._inline_round_blocks
-        )
+        due = self._stored_since_settle >= self._settle_at
+        return due and self._rounds_elsewhere and self._deferred is None
 
     @property
     def in_round(self) -> bool:
@@ -276,9 +267,7 @@ class PrefixIndex:
                 self._clear(state)
         if self._pending:
             self._flush(result)
-        if self._stored_since_settle >= self._settle_at and not (
-            self._rounds_elsewhere and self._blocks >= self._inline_round_blocks
-        ):
+        if self._stored_since_settle >= self._settle_at and not self._rounds_elsewhere:
             result.settle_seconds = self._settle()
         self._totals.add(result)
         return result

@@ -72,7 +72,6 @@ def new_index(*, elsewhere: bool) -> PrefixIndex:
         max_entries_per_source=10**6,
         hot_blocks=512,
         rounds_elsewhere=elsewhere,
-        inline_round_blocks=1,
     )
     for source in SOURCES:
         index.add_source(source, namespace=MODEL, block_size=BLOCK)
