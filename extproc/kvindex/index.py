@@ -1,7 +1,8 @@
 """The prefix index: which sources hold which of our block keys, fed by domain KV events.
 
 Pure: no sockets, no asyncio, no pods. One writer (the subscriber glue) calls :meth:`apply` per
-batch; the request path calls :meth:`match` synchronously in between, so nothing needs a lock.
+batch; the request path calls :meth:`match` synchronously in between, so nothing needs a lock
+(settling rounds in another thread aside, below).
 
 A settling round grows with the blocks held (about a second near a fleet's default memory budget)
 and with the sources (~20-30 ms for a thousand). With ``rounds_elsewhere``, :meth:`apply` runs no
@@ -114,7 +115,6 @@ class PrefixIndex:
         self._rounds_elsewhere = rounds_elsewhere
         #: While a round runs elsewhere: the writes that wait for it, in order, and the stats then.
         self._deferred: list[tuple[Callable[..., object], tuple[object, ...]]] | None = None
-        self._deferred_blocks = 0
         self._added_in_round: set[Source] = set()
         self._stats_at_round: IndexStats | None = None
 
@@ -129,11 +129,6 @@ class PrefixIndex:
     def in_round(self) -> bool:
         """Between :meth:`begin_round` and :meth:`end_round`."""
         return self._deferred is not None
-
-    @property
-    def deferred_blocks(self) -> int:
-        """Blocks in the batches waiting for the round (the caller bounds them by waiting)."""
-        return self._deferred_blocks
 
     def begin_round(self) -> None:
         """From now until :meth:`end_round`, writes wait; call :meth:`run_round` (in a thread)."""
@@ -153,7 +148,7 @@ class PrefixIndex:
     def end_round(self) -> list[ApplyResult]:
         """Apply the writes that waited, in order; returns the results of their batches."""
         deferred, self._deferred = self._deferred or [], None
-        self._deferred_blocks, self._stats_at_round = 0, None
+        self._stats_at_round = None
         self._added_in_round.clear()
         results = []
         for write, args in deferred:
@@ -246,7 +241,6 @@ class PrefixIndex:
             if source not in self._states and source not in self._added_in_round:
                 raise KeyError(source)
             self._deferred.append((self.apply, (source, batch)))
-            self._deferred_blocks += sum(len(e.engine_hashes) for e in batch.events if type(e) is BlockStored)
             return ApplyResult()
         state = self._states[source]
         result = ApplyResult(skipped=batch.skipped, ignored=batch.ignored)
