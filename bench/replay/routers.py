@@ -53,7 +53,7 @@ def build_router(
     calibration: Calibration | None,
 ) -> Router:
     """Router ``index``: the catalog in ``store``, every source planned and complete."""
-    routing = PrefixRouting(settings, store)
+    routing = PrefixRouting(settings, store, rounds_in_thread=False)  # virtual time: nothing runs beside
     sources: dict[str, Source] = {}
     for source, plan in plan_sources(store.current).items():
         routing.index.add_source(source, namespace=plan.namespace, block_size=plan.block_size)

@@ -59,7 +59,7 @@ class IndexIngest:
     #: Settling rounds longer than this many seconds are logged.
     slow_settle_s: float = SLOW_SETTLE_S
     health: dict[Source, SourceHealth] = field(default_factory=dict)
-    #: Large settling rounds in a thread, and what arrives meanwhile (:mod:`extproc.kvindex.rounds`).
+    #: Settling rounds in a thread, and what arrives meanwhile (:mod:`extproc.kvindex.rounds`).
     rounds: OffLoopRounds = field(init=False)
     _log_limiter: LogLimiter[Source] = field(init=False)
 

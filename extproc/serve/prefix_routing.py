@@ -33,14 +33,19 @@ from extproc.types import EndpointAddress
 class PrefixRouting:
     """The prefix-cache side of ``serve``."""
 
-    def __init__(self, settings: PrefixSettings, store: CatalogStore) -> None:
+    def __init__(
+        self, settings: PrefixSettings, store: CatalogStore, *, rounds_in_thread: bool = True
+    ) -> None:
+        """``rounds_in_thread``: the KV index's settling rounds run beside the event loop
+        (:mod:`extproc.kvindex.rounds`); off, they run inline (a caller that never yields to its
+        loop, like the offline replay, would otherwise hold every event until a round's end)."""
         self.tokenizers = TokenizerRegistry.load(
             settings.tokenizers, hf_cache=settings.hf_cache, segment_cache_bytes=settings.tokenize_cache_bytes
         )
         self.index = PrefixIndex(
             max_entries=settings.index_max_blocks or blocks_within(settings.index_memory_mib * 2**20),
             max_entries_per_source=settings.index_max_blocks_per_endpoint,
-            rounds_elsewhere=True,  # large settling rounds in a thread (IndexIngest), not on the loop
+            rounds_elsewhere=rounds_in_thread,
         )
         self.approx = ApproxPrefixIndex(max_entries=settings.approx_max_blocks)
         self.ingest = IndexIngest(self.index)
