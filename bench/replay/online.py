@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
-import random
 import time
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
@@ -32,7 +31,7 @@ import orjson
 from prometheus_client import CollectorRegistry
 
 from bench.replay.arms import MODEL, PATH, Arm, Config, Sent, replay_catalog
-from bench.replay.routers import summed
+from bench.replay.routers import replica_scheduler, summed
 from bench.replay.stalls import StallSampler
 from bench.replay.trace import TraceRequest, prompt_tokens
 from extproc.catalog.store import CatalogStore
@@ -42,7 +41,6 @@ from extproc.demo.catalog import LocalWorkerSet, kv_ports_of
 from extproc.engines.scraper import EngineScraper
 from extproc.openai import read_request
 from extproc.scheduling.hooks import remember_affinity
-from extproc.scheduling.scheduler import Scheduler
 from extproc.serve.peering import Peering
 from extproc.serve.prefix_routing import PrefixRouting
 from extproc.settings import PrefixSettings, TokenizerSpec
@@ -189,16 +187,9 @@ def _router(
 ) -> OnlineRouter:
     routing = PrefixRouting(PrefixSettings(tokenizers=(TokenizerSpec(MODEL, SHIPPED_TOKENIZER),)), store)
     load = LoadView()
-    scheduler = Scheduler(
-        load,
-        arm.policy,
-        max_fallbacks=0,
-        rng=random.Random(cfg.seed + index),
-        prefix=routing.matcher,
-        signals=None if scraper is None else scraper.usable,
-        hooks=(remember_affinity(routing.matcher),),
-        candidates=arm.candidates,
-    )
+    hooks = (remember_affinity(routing.matcher),)
+    signals = None if scraper is None else scraper.usable
+    scheduler = replica_scheduler(index, arm, cfg, load, routing, hooks, signals)
     control = RequestControl(catalog=lambda: store.current, scheduler=scheduler, load=load)
     router = OnlineRouter(routing, control)
     if cfg.routers > 1 and cfg.sync_delay_s is not None:

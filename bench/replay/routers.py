@@ -13,7 +13,7 @@ import json
 import random
 import statistics
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,10 +26,12 @@ from extproc.control.requests import RequestControl
 from extproc.kvindex.events import Source
 from extproc.kvindex.follow import plan_sources
 from extproc.scheduling.calibration import Calibration
+from extproc.scheduling.engine_signals import EngineSignals
 from extproc.scheduling.hooks import calibrate, remember_affinity
 from extproc.scheduling.scheduler import DecisionHook, Scheduler
 from extproc.serve.prefix_routing import PrefixRouting
 from extproc.settings import PrefixSettings
+from extproc.types import EndpointAddress
 
 
 @dataclass(slots=True)
@@ -63,17 +65,31 @@ def build_router(
     if calibration is not None and index == 0:  # one fit, as one replica's would be
         hooks.append(calibrate(calibration))
     load = LoadView(clock=clock)
-    scheduler = Scheduler(
+    scheduler = replica_scheduler(index, arm, cfg, load, routing, hooks)
+    control = RequestControl(catalog=lambda: store.current, scheduler=scheduler, load=load, clock=clock)
+    return Router(routing, load, scheduler, control, sources)
+
+
+def replica_scheduler(
+    index: int,
+    arm: Arm,
+    cfg: Config,
+    load: LoadView,
+    routing: PrefixRouting,
+    hooks: Sequence[DecisionHook],
+    signals: Callable[[EndpointAddress], EngineSignals | None] | None = None,
+) -> Scheduler:
+    """Router ``index``'s scheduler, online or offline: the arm's policy, its own tie-break seed."""
+    return Scheduler(
         load,
         arm.policy,
         max_fallbacks=0,
         rng=random.Random(cfg.seed + index),
         prefix=routing.matcher,
+        signals=signals,
         hooks=hooks,
         candidates=arm.candidates,
     )
-    control = RequestControl(catalog=lambda: store.current, scheduler=scheduler, load=load, clock=clock)
-    return Router(routing, load, scheduler, control, sources)
 
 
 def summed(counters: Iterable[Mapping[str, int]]) -> dict[str, int]:
