@@ -138,7 +138,7 @@ def report(results: dict[str, Any]) -> str:
         "",
         "*inline*: every round runs inside `apply`, on the loop (the index's behaviour before). *thread*: "
         "rounds run in a worker thread while writes wait and lookups read the index as it was (serve's "
-        "default); what arrived meanwhile is worked off 5 ms a loop turn after each round.",
+        "default); what arrived meanwhile is worked off 2 ms a loop turn after each round.",
         "",
     ]
     return "\n".join(lines)

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 #: Backlog bytes (payloads waiting for a round) before the loop waits for the round instead.
 MAX_WAITING_BYTES = 64 * 1024 * 1024
 #: Loop time the backlog may take per turn once a round is over.
-DRAIN_SLICE_S = 0.005
+DRAIN_SLICE_S = 0.002
 
 
 class OffLoopRounds:
