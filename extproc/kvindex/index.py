@@ -50,6 +50,7 @@ lost removals and hostile streams.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -145,20 +146,14 @@ class PrefixIndex:
         self._totals.settle_seconds += took
         return took
 
-    def end_round(self) -> list[ApplyResult]:
-        """Apply the writes that waited, in order; returns the results of their batches."""
+    def end_round(self) -> None:
+        """Apply the writes that waited, in order."""
         deferred, self._deferred = self._deferred or [], None
         self._stats_at_round = None
         self._added_in_round.clear()
-        results = []
         for write, args in deferred:
-            try:
-                outcome = write(*args)
-            except KeyError:  # a batch or state change for a source dropped meanwhile
-                continue
-            if isinstance(outcome, ApplyResult):
-                results.append(outcome)
-        return results
+            with contextlib.suppress(KeyError):  # a write for a source dropped meanwhile
+                write(*args)
 
     def _defer(self, write: Callable[..., object], *args: object) -> bool:
         if self._deferred is None:

@@ -68,29 +68,24 @@ class IndexIngest:
         self.rounds = OffLoopRounds(self.index)
 
     def on_batch(self, source: Source, seq: int, payload: bytes) -> None:
-        if self.rounds.busy:
-            self.rounds.hold(partial(self._batch, source, seq, payload), len(payload))
-        else:
-            self._batch(source, seq, payload)
+        self._now_or_held(len(payload), self._batch, source, seq, payload)
 
     def on_decoded(self, source: Source, batch: DecodedBatch) -> None:
         """Apply a batch already in domain events (what :meth:`on_batch` does after decoding)."""
-        if self.rounds.busy:
-            self.rounds.hold(partial(self._decoded, source, batch), 64 * len(batch.events))
-        else:
-            self._decoded(source, batch)
+        self._now_or_held(64 * len(batch.events), self._decoded, source, batch)
 
     def on_reset(self, source: Source, reason: str) -> None:
-        if self.rounds.busy:
-            self.rounds.hold(partial(self._reset, source, reason), 0)
-        else:
-            self._reset(source, reason)
+        self._now_or_held(0, self._reset, source, reason)
 
     def on_completeness(self, source: Source, complete: bool, reason: str) -> None:
+        self._now_or_held(0, self._completeness, source, complete, reason)
+
+    def _now_or_held(self, size: int, handle: Callable[..., None], *args: object) -> None:
+        """``handle(*args)`` now, or after a settling round and what arrived before (``size`` bytes)."""
         if self.rounds.busy:
-            self.rounds.hold(partial(self._completeness, source, complete, reason), 0)
+            self.rounds.hold(partial(handle, *args), size)
         else:
-            self._completeness(source, complete, reason)
+            handle(*args)
 
     def _batch(self, source: Source, seq: int, payload: bytes) -> None:
         try:
