@@ -21,8 +21,8 @@ ROOT = REPO / "extproc"
 BENCH = REPO / "bench"
 
 #: Modules at the package root that everything may use: identifiers, errors, settings, the request
-#: type, logging/metrics helpers, task and HTTP helpers, the admin HTTP surface.
-CORE = frozenset({"types", "errors", "tasks", "settings", "openai", "telemetry", "fetch", "admin"})
+#: type, logging/metrics helpers, task, HTTP and watched-file helpers, the admin HTTP surface.
+CORE = frozenset({"types", "errors", "tasks", "settings", "openai", "telemetry", "fetch", "files", "admin"})
 
 #: Package -> the packages it may import (besides itself and CORE).
 ALLOWED: dict[str, frozenset[str]] = {

@@ -51,10 +51,8 @@ file fails startup.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
@@ -65,13 +63,12 @@ import yaml
 
 from extproc.catalog.model import Catalog, Endpoint
 from extproc.errors import ConfigError
+from extproc.files import FileStamp, read_stamped
 
 logger = logging.getLogger(__name__)
 
 #: The name of the built-in profile, used for worker sets naming an unknown profile.
 DEFAULT_PROFILE = "default"
-#: A file modified this recently may change again without changing its stamp: hash it next poll too.
-_RACY_NS = 2_000_000_000
 
 
 class ProfileError(ConfigError):
@@ -232,13 +229,6 @@ def parse_profiles(data: Any, *, source: str = "profiles file") -> dict[str, Pro
     return result
 
 
-@dataclass(frozen=True, slots=True)
-class _Stamp:
-    mtime_ns: int
-    size: int
-    inode: int
-
-
 class ProfileStore:
     """The profiles in use: the built-in default, plus a file's when ``path`` is given.
 
@@ -249,7 +239,7 @@ class ProfileStore:
         self.path = None if path is None else Path(path)
         self._clock_ns = clock_ns
         self._profiles: dict[str, Profile] = {DEFAULT_PROFILE: DEFAULT}
-        self._stamp: _Stamp | None = None
+        self._stamp: FileStamp | None = None
         self._digest: bytes | None = None
         self._racy = False
         #: Why the last read failed (the previous profiles stay in use); None after a good read.
@@ -290,16 +280,12 @@ class ProfileStore:
     def _read(self, *, force: bool) -> bool:
         assert self.path is not None
         try:
-            st = os.stat(self.path)
-            stamp = _Stamp(st.st_mtime_ns, st.st_size, st.st_ino)
-            if not force and stamp == self._stamp and not self._racy:
+            if not force and FileStamp.at(self.path) == self._stamp and not self._racy:
                 return False
-            data = self.path.read_bytes()
+            read = read_stamped(self.path, clock_ns=self._clock_ns)
         except OSError as exc:
             return self._fail(f"profiles file {self.path}: cannot read: {exc.strerror or exc}")
-        self._stamp = stamp
-        self._racy = self._clock_ns() - stamp.mtime_ns < _RACY_NS
-        digest = hashlib.sha256(data).digest()
+        self._stamp, self._racy, digest, data = read.stamp, read.racy, read.digest, read.data
         if digest == self._digest:
             return False  # same bytes: same profiles, or the same error as last time
         try:

@@ -11,10 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hashlib
 import logging
-import os
-import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +20,7 @@ from typing import Any, Literal
 from extproc.catalog.model import Catalog
 from extproc.catalog.resources import is_catalog_object, iter_objects
 from extproc.errors import ConfigError, SourceError
+from extproc.files import FileRead, FileStamp, read_stamped
 from extproc.settings import SourceSettings
 from extproc.sources.objects import Compiled, Known, ObjectKey, ProblemLog, compile_objects
 from extproc.sources.yaml_load import load_documents
@@ -31,49 +29,23 @@ logger = logging.getLogger(__name__)
 
 #: What one counted reload did; ``on_reload`` receives it (for metrics).
 ReloadOutcome = Literal["ok", "failed", "unchanged"]
-#: File systems stamp mtimes from a coarse clock: two same-size writes within one tick look alike.
-#: A file modified this recently is hashed again on the next poll rather than trusted (like git's
-#: "racily clean" entries).
-_RACY_NS = 2_000_000_000
-
-
-@dataclass(frozen=True, slots=True)
-class _Stamp:
-    """What stat says cheaply; a different stamp means "read and compare", not "changed"."""
-
-    mtime_ns: int
-    size: int
-    inode: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> _Stamp:
-        return cls(st.st_mtime_ns, st.st_size, st.st_ino)
-
-
-@dataclass(frozen=True, slots=True)
-class _Read:
-    stamp: _Stamp
-    digest: bytes
-    data: bytes
-    #: Modified so recently that an immediate second write could keep the same stamp.
-    racy: bool
 
 
 @dataclass(frozen=True, slots=True)
 class _Failed:
     message: str
     #: Set when the content was read but rejected, so the same bytes are not parsed again.
-    read: _Read | None = None
+    read: FileRead | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class _Settling:
     """Bytes written moments ago: maybe a write still in progress, looked at again next poll."""
 
-    read: _Read
+    read: FileRead
 
 
-_Outcome = _Read | _Failed | _Settling | tuple[_Read, Compiled] | None
+_Outcome = FileRead | _Failed | _Settling | tuple[FileRead, Compiled] | None
 
 
 def compile_documents(data: bytes, previous: Mapping[ObjectKey, Known], *, path: Path) -> Compiled:
@@ -152,25 +124,22 @@ def _collection_paused() -> Iterator[None]:
             gc.freeze()
 
 
-def _read(path: Path, max_bytes: int) -> _Read:
+def _read(path: Path, max_bytes: int) -> FileRead:
     """Read the file and stamp it from the same open file, so stamp and bytes belong together.
 
     A file over ``max_bytes`` is refused before it is read (``--max-catalog-bytes``): parsing is
     bounded in time and memory whatever lands in the file.
     """
     try:
-        with path.open("rb") as fh:
-            stamp = _Stamp.of(os.fstat(fh.fileno()))
-            data = fh.read(max_bytes + 1)
+        read = read_stamped(path, limit=max_bytes)
     except OSError as exc:
         raise SourceError(_describe(path, exc)) from exc
-    if len(data) > max_bytes:
+    if len(read.data) > max_bytes:
         raise SourceError(
-            f"catalog file {path}: {stamp.size:,} bytes, over the {max_bytes:,}-byte limit "
+            f"catalog file {path}: {read.stamp.size:,} bytes, over the {max_bytes:,}-byte limit "
             "(--max-catalog-bytes)"
         )
-    racy = time.time_ns() - stamp.mtime_ns < _RACY_NS
-    return _Read(stamp, hashlib.sha256(data).digest(), data, racy)
+    return read
 
 
 def _describe(path: Path, exc: OSError) -> str:
@@ -202,7 +171,7 @@ class FileSource:
         self.reloads_unchanged = 0
         #: The error that currently keeps the file from loading, or None.
         self.last_error: str | None = None
-        self._stamp: _Stamp | None = None  # of the last bytes read
+        self._stamp: FileStamp | None = None  # of the last bytes read
         self._trusted = False  # False while that read was racy: compare bytes again next poll
         self._applied: bytes | None = None  # digest of the content behind the current catalog
         #: Digest of the last content that failed to parse, and why: not parsed again each poll.
@@ -260,7 +229,7 @@ class FileSource:
         after it. Waiting one poll interval costs an edit that much delay, no more.
         """
         try:
-            stamp = _Stamp.of(os.stat(self.path))
+            stamp = FileStamp.at(self.path)
             if stamp == self._stamp and self._trusted:
                 return None
             read = _read(self.path, self.max_bytes)
@@ -286,7 +255,7 @@ class FileSource:
 
     def _commit(self, outcome: _Outcome) -> Catalog | None:
         """Apply what ``_check`` found; returns the catalog to publish, if any."""
-        if isinstance(outcome, _Read):  # same bytes as the current catalog: nothing to publish
+        if isinstance(outcome, FileRead):  # same bytes as the current catalog: nothing to publish
             touched = outcome.stamp != self._stamp  # not just a racy file hashed again
             self._remember(outcome)
             self._recover()
@@ -301,7 +270,7 @@ class FileSource:
             return self._apply(*outcome)
         return None
 
-    def _apply(self, read: _Read, compiled: Compiled) -> Catalog:
+    def _apply(self, read: FileRead, compiled: Compiled) -> Catalog:
         self._remember(read)
         self._applied, self._rejected = read.digest, None
         self._retired.append(self._valid)
@@ -329,7 +298,7 @@ class FileSource:
                 )
             self._notify("failed")
 
-    def _remember(self, read: _Read | None) -> None:
+    def _remember(self, read: FileRead | None) -> None:
         self._stamp = read.stamp if read else None
         self._trusted = read is not None and not read.racy
 
