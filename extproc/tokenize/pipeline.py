@@ -9,7 +9,7 @@ encode the prompt with ``add_special_tokens=True``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from extproc.tokenize.chat_template import ChatTemplate
 from extproc.tokenize.conversation import prepare_messages, prepare_tools
@@ -51,27 +51,25 @@ def render_chat(
     )
 
 
+class ChatOptions(TypedDict, total=False):
+    """The request fields :func:`render_chat` takes besides the messages (its keyword arguments)."""
+
+    add_generation_prompt: bool
+    continue_final_message: bool
+    tools: Sequence[Mapping[str, Any]] | None
+    chat_template_kwargs: Mapping[str, Any] | None
+
+
 def tokenize_chat(
     tokenizer: Tokenizer,
     template: ChatTemplate | None,
     messages: Sequence[Mapping[str, Any]],
     *,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    chat_template_kwargs: Mapping[str, Any] | None = None,
     add_special_tokens: bool = False,
+    **options: Unpack[ChatOptions],
 ) -> list[int]:
     """Prompt token ids of a chat request: :func:`render_chat`, then encode."""
-    text = render_chat(
-        tokenizer,
-        template,
-        messages,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        tools=tools,
-        chat_template_kwargs=chat_template_kwargs,
-    )
+    text = render_chat(tokenizer, template, messages, **options)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
