@@ -98,6 +98,46 @@ class EngineMetrics(Protocol):
     def observe_decode_step(self, engine: str, *, seconds: float, sequences: int) -> None: ...
 
 
+_GAUGE, _COUNTER = GaugeMetricFamily, CounterMetricFamily
+#: vLLM's per-engine state families, named and described as vLLM does: the :class:`RankStats`
+#: field each engine's sample comes from, the family's type, name and help.
+_STATE_FAMILIES: tuple[tuple[str, type[GaugeMetricFamily | CounterMetricFamily], str, str], ...] = (
+    ("num_running", _GAUGE, "vllm:num_requests_running", "Number of requests in model execution batches."),
+    ("num_waiting", _GAUGE, "vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+    ("kv_cache_usage", _GAUGE, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+    (
+        "prefix_cache_queries",
+        _COUNTER,
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+    ),
+    (
+        "prefix_cache_hits",
+        _COUNTER,
+        "vllm:prefix_cache_hits",
+        "Prefix cache hits, in terms of number of cached tokens.",
+    ),
+    # vLLM registers these whether or not a KV connector is configured (0 without one).
+    (
+        "external_prefix_cache_queries",
+        _COUNTER,
+        "vllm:external_prefix_cache_queries",
+        "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of "
+        "queried tokens.",
+    ),
+    (
+        "external_prefix_cache_hits",
+        _COUNTER,
+        "vllm:external_prefix_cache_hits",
+        "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of "
+        "cached tokens.",
+    ),
+    ("num_preemptions", _COUNTER, "vllm:num_preemptions", "Cumulative number of preemption from the engine."),
+    ("prompt_tokens", _COUNTER, "vllm:prompt_tokens", "Number of prefill tokens processed."),
+    ("generation_tokens", _COUNTER, "vllm:generation_tokens", "Number of generation tokens processed."),
+)
+
+
 class _EngineStateCollector(Collector):
     def __init__(
         self, model_name: str, stats: Callable[[], Sequence[RankStats]], cache_config: Mapping[str, str]
@@ -108,51 +148,7 @@ class _EngineStateCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         labels = ["model_name", "engine"]
-        gauges = {
-            "running": GaugeMetricFamily(
-                "vllm:num_requests_running", "Number of requests in model execution batches.", labels=labels
-            ),
-            "waiting": GaugeMetricFamily(
-                "vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels=labels
-            ),
-            "usage": GaugeMetricFamily(
-                "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=labels
-            ),
-        }
-        counters = {
-            "queries": CounterMetricFamily(
-                "vllm:prefix_cache_queries",
-                "Prefix cache queries, in terms of number of queried tokens.",
-                labels=labels,
-            ),
-            "hits": CounterMetricFamily(
-                "vllm:prefix_cache_hits",
-                "Prefix cache hits, in terms of number of cached tokens.",
-                labels=labels,
-            ),
-            # vLLM registers these whether or not a KV connector is configured (0 without one).
-            "external_queries": CounterMetricFamily(
-                "vllm:external_prefix_cache_queries",
-                "External prefix cache queries from KV connector cross-instance cache sharing, "
-                "in terms of number of queried tokens.",
-                labels=labels,
-            ),
-            "external_hits": CounterMetricFamily(
-                "vllm:external_prefix_cache_hits",
-                "External prefix cache hits from KV connector cross-instance cache sharing, "
-                "in terms of number of cached tokens.",
-                labels=labels,
-            ),
-            "preemptions": CounterMetricFamily(
-                "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels=labels
-            ),
-            "prompt": CounterMetricFamily(
-                "vllm:prompt_tokens", "Number of prefill tokens processed.", labels=labels
-            ),
-            "generation": CounterMetricFamily(
-                "vllm:generation_tokens", "Number of generation tokens processed.", labels=labels
-            ),
-        }
+        families = [(kind(name, doc, labels=labels), field) for field, kind, name, doc in _STATE_FAMILIES]
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
@@ -160,19 +156,11 @@ class _EngineStateCollector(Collector):
         )
         for rank in self._stats():
             values = [self._model_name, rank.engine]
-            gauges["running"].add_metric(values, rank.num_running)
-            gauges["waiting"].add_metric(values, rank.num_waiting)
-            gauges["usage"].add_metric(values, rank.kv_cache_usage)
-            counters["queries"].add_metric(values, rank.prefix_cache_queries)
-            counters["hits"].add_metric(values, rank.prefix_cache_hits)
-            counters["external_queries"].add_metric(values, rank.external_prefix_cache_queries)
-            counters["external_hits"].add_metric(values, rank.external_prefix_cache_hits)
-            counters["preemptions"].add_metric(values, rank.num_preemptions)
-            counters["prompt"].add_metric(values, rank.prompt_tokens)
-            counters["generation"].add_metric(values, rank.generation_tokens)
+            for family, field in families:
+                family.add_metric(values, getattr(rank, field))
             info.add_metric([self._cache_config[k] for k in sorted(self._cache_config)] + [rank.engine], 1.0)
-        yield from gauges.values()
-        yield from counters.values()
+        for family, _ in families:
+            yield family
         yield info
 
 
