@@ -264,8 +264,10 @@ def _stream_logic_us(catalog: Path, body: bytes, repeats: int) -> float:
     from extproc.protocol.stream import RequestStream
     from extproc.serve.app import Server
     from extproc.settings import ServeSettings, SourceSettings
+    from extproc.sources.file import FileSource
 
     server = Server(ServeSettings(source=SourceSettings.parse(f"file:{catalog}"), seed=1))
+    assert isinstance(server.source, FileSource)  # a file: source, so its catalog loads now
     server.store.publish(server.source.load())
     messages = [*request_messages(body), response_headers_message()]
 

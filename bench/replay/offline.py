@@ -112,7 +112,9 @@ class OfflineReplay:
         addresses = [EndpointAddress(f"127.0.0.1:{20000 + i}") for i in range(cfg.engines)]
         self.engines = {a: OfflineEngine(a, EngineCore(params)) for a in addresses}
         # Declared KV-event ports only make the catalog plan the sources; nothing listens on them.
-        kv_ports = {} if arm.approximate else {a: (30000 + i, 31000 + i) for i, a in enumerate(self.engines)}
+        kv_ports: dict[str, tuple[int, int | None]] = (
+            {} if arm.approximate else {a: (30000 + i, 31000 + i) for i, a in enumerate(self.engines)}
+        )
         worker_set = LocalWorkerSet(
             "replay", MODEL, list(self.engines), kv_block_size=params.block_size, kv_ports=kv_ports
         )
