@@ -22,14 +22,8 @@ import zmq
 import zmq.asyncio
 
 from extproc.control.load import Lease
-from extproc.control.peers import (
-    DELTA_BATCH_S,
-    SNAPSHOT_S,
-    LeaseFeed,
-    PeerLeases,
-    PeerMessageError,
-    encode,
-)
+from extproc.control.peer_messages import PeerMessageError, encode
+from extproc.control.peers import DELTA_BATCH_S, SNAPSHOT_S, LeaseFeed, PeerLeases
 from extproc.peers.curve import CurveGuard, CurveKey
 from extproc.peers.discovery import bracketed
 from extproc.telemetry import LogLimiter

@@ -5,15 +5,8 @@ from __future__ import annotations
 import pytest
 
 from extproc.control.load import Lease, LoadView
-from extproc.control.peers import (
-    MAX_PEER_LEASES,
-    Delta,
-    LeaseFeed,
-    PeerLeases,
-    PeerMessageError,
-    Snapshot,
-    encode,
-)
+from extproc.control.peer_messages import MAX_PEER_LEASES, Delta, PeerMessageError, Snapshot, encode
+from extproc.control.peers import LeaseFeed, PeerLeases
 from extproc.types import EndpointAddress
 
 A, B = EndpointAddress("10.0.0.1:8000"), EndpointAddress("10.0.0.2:8000")
@@ -209,7 +202,7 @@ def test_a_response_that_began_ends_the_prefill_peers_charge() -> None:
 
 
 def test_affinity_learned_by_one_replica_reaches_the_others_bounded() -> None:
-    from extproc.control.peers import MAX_AFFINITY_KEYS
+    from extproc.control.peer_messages import MAX_AFFINITY_KEYS
 
     _load, peers, clock = world()
     learned: list[tuple[list[int], str]] = []

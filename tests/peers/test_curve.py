@@ -13,7 +13,8 @@ import zmq.asyncio
 from waiting import until
 
 from extproc.control.load import Lease, LoadView
-from extproc.control.peers import LeaseFeed, PeerLeases, decode
+from extproc.control.peer_messages import decode
+from extproc.control.peers import LeaseFeed, PeerLeases
 from extproc.errors import ConfigError
 from extproc.peers.curve import CurveKey, new_secret, parse_key, read_key
 from extproc.peers.sync import PeerSync
