@@ -1,6 +1,6 @@
 """Settings for ``extproc serve``: one frozen tree, validated on construction.
 
-Flags (and nothing else, for now) map onto these dataclasses in :mod:`extproc.cli`; everything
+Flags (and nothing else, for now) map onto these dataclasses in :mod:`extproc.serve.run`; everything
 below the CLI receives a validated :class:`ServeSettings` and never reads flags or the environment.
 """
 

@@ -134,12 +134,13 @@ def test_flags_left_out_give_the_settings_defaults() -> None:
     states each default; the flags and the generated reference read it from there)."""
     import dataclasses
 
-    from extproc.cli import _serve_settings, build_parser
+    from extproc.cli import build_parser
     from extproc.scheduling.registry import DEFAULT_POLICY
+    from extproc.serve.run import serve_settings
     from extproc.settings import PrefixSettings, ServeSettings, SourceSettings
 
     args = build_parser().parse_args(["serve", "--source", "kube"])
-    settings = _serve_settings(args)
+    settings = serve_settings(args)
     assert settings.prefix == PrefixSettings()
     # The settings leave the policy to the registry; the flag names the registry's one default.
     assert settings.policy == DEFAULT_POLICY
