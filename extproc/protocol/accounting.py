@@ -17,14 +17,7 @@ from typing import Protocol
 from extproc.control.load import Lease
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.protocol import messages
-
-#: The pick's predicted prefill ("tokens,seconds"), set by the routing answer, so the accounting
-#: stream can charge the endpoint for it whichever replica it reaches.
-PREFILL_HEADER = "x-extproc-prefill"
-#: The token under which the routing stream offered its lease (see ``LeaseHandover``).
-LEASE_HEADER = "x-extproc-lease"
-#: The longest predicted prefill believed from a header, in seconds.
-_MAX_PREFILL_SECONDS = 3600.0
+from extproc.protocol.headers import LEASE_HEADER, PREFILL_HEADER, prefill_hint
 
 
 class LeaseSource(Protocol):
@@ -77,12 +70,3 @@ class AccountingStream:
         if self.lease is not None:
             self._source.release(self.lease)
             self.lease = None
-
-
-def prefill_hint(value: str) -> tuple[int, float]:
-    """``tokens,seconds`` from :data:`PREFILL_HEADER`; (0, 0) when absent or not ours."""
-    tokens, _, seconds = value.partition(",")
-    try:
-        return max(0, int(tokens)), max(0.0, min(float(seconds), _MAX_PREFILL_SECONDS))
-    except ValueError:
-        return 0, 0.0

@@ -23,7 +23,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeAlias
 
-from extproc.control.flow import DEFAULT_FAIRNESS_ID, MAX_FAIRNESS_ID, RequestClass
+from extproc.control.flow import RequestClass
 from extproc.errors import BadRequest, BodyTooLarge, ModelNotFound, Overloaded, RequestError
 from extproc.openai import (
     INFERENCE_PATHS,
@@ -39,23 +39,14 @@ from extproc.openai import (
 from extproc.pb.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.protocol import messages
-from extproc.protocol.accounting import LEASE_HEADER, PREFILL_HEADER
 from extproc.protocol.budget import BodyBudget
+from extproc.protocol.headers import explain, request_class, routing_headers
 from extproc.scheduling.scheduler import Decision
 from extproc.telemetry import LogLimiter, Metrics, clip
 from extproc.types import EndpointAddress
 
 log = logging.getLogger(__name__)
 
-#: Headers we add for the upstream's and operators' benefit (never read back from clients).
-MODEL_HEADER = "x-gateway-model-name"
-#: vLLM routes a request carrying this header to that data-parallel rank (0.10+).
-DP_RANK_HEADER = "x-data-parallel-rank"
-#: The InferenceObjective a request names (its priority when the pool is saturated), as the llm-d
-#: router reads it, then the Gateway API Inference Extension's older name.
-OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
-#: Who the request is fair to (a tenant), likewise; absent: one shared default.
-FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
 _FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
 _NO_BODY = pm.ProcessingMode.NONE
 #: Messages Envoy never sends are logged once a minute per kind, whoever sends them.
@@ -280,22 +271,11 @@ class RequestStream:
         self._metrics.body_bytes.observe(len(body))
         parsed = parse_request(body, path=self._path)
         return self._when_routed(
-            self._router.route(parsed, self._subset, self._request_class()),
+            self._router.route(parsed, self._subset, request_class(self._headers)),
             parsed,
             body,
             started,
             end_of_stream,
-        )
-
-    def _request_class(self) -> RequestClass | None:
-        """The objective and fairness ID the request's headers name (None: neither)."""
-        headers = self._headers
-        objective = next((v for h in OBJECTIVE_HEADERS if (v := headers.get(h))), None)
-        fairness = next((v for h in FAIRNESS_HEADERS if (v := headers.get(h))), None)
-        if objective is None and fairness is None:
-            return None
-        return RequestClass(
-            objective=objective, fairness_id=fairness[:MAX_FAIRNESS_ID] if fairness else DEFAULT_FAIRNESS_ID
         )
 
     def _when_routed(
@@ -359,18 +339,7 @@ class RequestStream:
         self._done = True
         decision = routed.decision
         self._picked = frozenset(e.address for e in decision.endpoints)
-        tokens, seconds = decision.prefill
-        extra: dict[str, str] = {}
-        if decision.route is not None:
-            extra[MODEL_HEADER] = decision.route.upstream_model
-        rank = decision.prefix.ranks.get(decision.endpoints[0].address)
-        if rank is not None:
-            # vLLM's API server sends a request to this DP rank (the one holding the prefix).
-            extra[DP_RANK_HEADER] = str(rank)
-        # Always set (overwriting anything a client sent): the accounting stream
-        # (:mod:`extproc.protocol.accounting`) reads them back.
-        extra[LEASE_HEADER] = routed.token
-        extra[PREFILL_HEADER] = f"{tokens},{seconds:.4f}"
+        extra = routing_headers(decision, routed.token)
         if body is not None:
             # BUFFERED keeps Content-Length; it must describe the rewritten body.
             extra["content-length"] = str(len(body))
@@ -452,19 +421,3 @@ class RequestStream:
             clip(error.message),
         )
         return [messages.error_response(error)]
-
-
-def explain(decision: Decision) -> dict[str, str]:
-    """``--decision-headers``: what was picked and why, for the client's response (opt-in: it names pods)."""
-    pick = decision.endpoints[0].address
-    prefix = decision.prefix
-    headers = {
-        "x-extproc-endpoint": pick,
-        "x-extproc-prefix-mode": prefix.mode,
-        "x-extproc-cached-tokens": str(prefix.cached_tokens.get(pick, 0)),
-    }
-    if prefix.prompt_tokens is not None:
-        headers["x-extproc-prompt-tokens"] = str(prefix.prompt_tokens)
-    if decision.prediction is not None:
-        headers["x-extproc-predicted-ttft-ms"] = f"{decision.prediction.ttft_s * 1000:.1f}"
-    return headers

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from extproc.protocol.accounting import AccountingStream, prefill_hint
+from extproc.protocol.accounting import AccountingStream
 from extproc.scheduling.predictor import PredictedTTFT
 from extproc.scheduling.profiles import DEFAULT
 from extproc.types import EndpointAddress
@@ -102,19 +102,3 @@ def test_an_accounting_stream_later_than_its_routing_stream_counts_the_request_a
     assert h.control.handover.debug_state()["lateClaims"] == 1
     accounting.close()
     assert h.load.snapshot() == {}
-
-
-@pytest.mark.parametrize(
-    ("value", "expected"),
-    [
-        ("800,0.0500", (800, 0.05)),
-        ("", (0, 0.0)),
-        ("x,y", (0, 0.0)),
-        ("-5,-1", (0, 0.0)),
-        ("3,1e9", (3, 3600.0)),
-    ],
-    ids=["ours", "absent", "garbage", "negative", "huge"],
-)
-def test_prefill_hints_are_bounded(value: str, expected: tuple[int, float]) -> None:
-    """Only sane numbers are believed: never negative, never beyond an hour."""
-    assert prefill_hint(value) == expected
