@@ -44,8 +44,8 @@ from bench.replay.trace import (
     upper_bound,
 )
 from extproc.settings import CandidateSettings
+from extproc.sim.block_hash import HASH_ALGOS
 from extproc.sim.engine_core import EngineParams
-from extproc.sim.prefix_cache import HASH_ALGOS
 from extproc.tokenize import shipped_tokenizer
 
 log = logging.getLogger("bench.replay")

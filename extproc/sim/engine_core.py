@@ -47,8 +47,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from extproc.errors import ConfigError
+from extproc.sim.block_hash import Digest, block_digest, extend_block_hashes
 from extproc.sim.kv_events import KVEvent
-from extproc.sim.prefix_cache import Digest, PrefixCache, block_digest, extend_block_hashes
+from extproc.sim.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True, slots=True)

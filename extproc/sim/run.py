@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from extproc.errors import ConfigError
+from extproc.sim.block_hash import HASH_ALGOS
 from extproc.sim.engine_core import EngineParams
 from extproc.sim.fleet import SimFleet
 from extproc.sim.kv_publisher import PublisherFaults
 from extproc.sim.kv_wire import EventEncoding, HashFormat
-from extproc.sim.prefix_cache import HASH_ALGOS
 from extproc.sim.settings import (
     KVEventSettings,
     LoraModule,

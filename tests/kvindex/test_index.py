@@ -12,9 +12,9 @@ from extproc.kvindex.decode import decode_batch
 from extproc.kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, KVEvent, Source
 from extproc.kvindex.index import HOT_BLOCKS, PrefixIndex
 from extproc.kvindex.keys import block_keys, namespace_seed
+from extproc.sim.block_hash import extend_block_hashes
 from extproc.sim.engine_core import EngineCore, EngineParams, SimRequest
 from extproc.sim.kv_wire import encode_batch
-from extproc.sim.prefix_cache import extend_block_hashes
 from extproc.types import EndpointAddress
 
 A = Source(EndpointAddress("10.0.0.1:8000"), 0)

@@ -18,12 +18,12 @@ from extproc.kvindex.events import Source
 from extproc.kvindex.index import PrefixIndex
 from extproc.kvindex.ingest import IndexIngest
 from extproc.kvindex.keys import block_keys, namespace_seed
+from extproc.sim.block_hash import extend_block_hashes
 from extproc.sim.cpu_tier import MEDIUM_CPU, CpuTier
 from extproc.sim.engine_core import EngineCore, EngineParams, SimRequest
 from extproc.sim.engine_loop import EngineLoop
 from extproc.sim.kv_events import BlockRemoved, BlockStored, KVEvent
 from extproc.sim.kv_wire import EventEncoding, HashFormat
-from extproc.sim.prefix_cache import extend_block_hashes
 from extproc.sim.server import SimServer
 from extproc.sim.settings import KVEventSettings
 from extproc.types import EndpointAddress

@@ -11,16 +11,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from extproc.errors import ConfigError
+from extproc.sim.block_hash import NONE_HASH, block_digest, block_hash, extend_block_hashes, none_hash
 from extproc.sim.engine_core import EngineParams
 from extproc.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from extproc.sim.prefix_cache import (
-    NONE_HASH,
-    PrefixCache,
-    block_digest,
-    block_hash,
-    extend_block_hashes,
-    none_hash,
-)
+from extproc.sim.prefix_cache import PrefixCache
 
 
 def _hashes(tokens: Sequence[int], block_size: int, lora: str | None = None) -> list[bytes]:
