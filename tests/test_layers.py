@@ -55,7 +55,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "sim": frozenset({"tokenize"}),
     "gateway": frozenset(),
     "demo": frozenset({"gateway", "serve", "sim", "tokenize"}),
-    "cli": frozenset({"demo", "peers", "reconcile", "scheduling", "serve", "sim", "tokenize"}),
+    "cli": frozenset({"demo", "peers", "reconcile", "serve", "sim"}),
     "__init__": frozenset(),
     "__main__": frozenset({"cli"}),
 }
