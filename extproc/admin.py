@@ -16,8 +16,8 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from extproc.addresses import parse_host_port
 from extproc.errors import ConfigError
-from extproc.settings import parse_host_port
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 #: A started admin server; ``await runner.cleanup()`` stops it.

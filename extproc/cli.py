@@ -21,9 +21,10 @@ import aiohttp
 import uvloop
 
 from extproc import __version__
+from extproc.addresses import parse_host_port
 from extproc.errors import ConfigError, ExtprocError
 from extproc.fetch import fetch_bounded
-from extproc.settings import DEFAULT_ADMIN_LISTEN, parse_host_port
+from extproc.settings import DEFAULT_ADMIN_LISTEN
 from extproc.telemetry import configure_logging
 
 log = logging.getLogger("extproc")

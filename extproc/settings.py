@@ -12,28 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from extproc.addresses import parse_host_port
 from extproc.errors import ConfigError
-
-
-def parse_host_port(value: str, *, what: str) -> tuple[str, int]:
-    """Split ``host:port`` (``[v6]:port`` for IPv6) and check the port's range."""
-    host, sep, port_text = value.rpartition(":")
-    if not sep or not host:
-        raise ConfigError(f"{what}: expected HOST:PORT, got {value!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise ConfigError(f"{what}: port {port_text!r} is not a number (in {value!r})") from None
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"{what}: port {port} is out of range 0-65535")
-    return host, port
-
-
-def join_host_port(host: str, port: int) -> str:
-    """``host:port``, an IPv6 host in brackets (``[fd00::5]:9003``): how Envoy, ZMQ and URLs spell it."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def parse_namespaces(text: str | None) -> tuple[str, ...] | None:

@@ -20,9 +20,12 @@ ROOT = REPO / "extproc"
 #: The benchmarks: covered by the cycle check (their scripts import siblings by bare name).
 BENCH = REPO / "bench"
 
-#: Modules at the package root that everything may use: identifiers, errors, settings, the request
-#: type, logging/metrics helpers, task, HTTP and watched-file helpers, the admin HTTP surface.
-CORE = frozenset({"types", "errors", "tasks", "settings", "openai", "telemetry", "fetch", "files", "admin"})
+#: Modules at the package root that everything may use: identifiers, host:port strings, errors,
+#: settings, the request type, logging/metrics helpers, task, HTTP and watched-file helpers, the
+#: admin HTTP surface.
+CORE = frozenset(
+    {"types", "addresses", "errors", "tasks", "settings", "openai", "telemetry", "fetch", "files", "admin"}
+)
 
 #: Package -> the packages it may import (besides itself and CORE).
 ALLOWED: dict[str, frozenset[str]] = {

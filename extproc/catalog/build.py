@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from extproc.addresses import join_host_port
 from extproc.catalog.fields import IntOrString
 from extproc.catalog.model import (
     Catalog,
@@ -23,7 +24,6 @@ from extproc.catalog.model import (
     WorkerSet,
 )
 from extproc.catalog.resources import EndpointSlice, InferenceObjective, InferenceWorkerSet, Service
-from extproc.settings import join_host_port
 from extproc.types import EndpointAddress, ModelName, WorkerSetKey
 
 #: The Service port names the CRD falls back to (see inferenceworkerset.schema.json).

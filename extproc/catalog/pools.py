@@ -19,11 +19,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from extproc.addresses import join_host_port
 from extproc.catalog import fields
 from extproc.catalog.fields import FieldError
 from extproc.catalog.model import Endpoint, WorkerSet
 from extproc.catalog.resources import naming_object, object_metadata
-from extproc.settings import join_host_port
 from extproc.types import EndpointAddress, WorkerSetKey
 
 POOL_API = "inference.networking.k8s.io/v1"

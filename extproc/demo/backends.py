@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from extproc.settings import join_host_port
+from extproc.addresses import join_host_port
 from extproc.tasks import StartStop
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"

@@ -24,10 +24,10 @@ from typing import Any
 
 import aiohttp
 
+from extproc.addresses import join_host_port
 from extproc.catalog.discovered import DiscoveredModel, EndpointModels
 from extproc.catalog.model import Catalog
 from extproc.engines.poller import EndpointPoller
-from extproc.settings import join_host_port
 from extproc.types import EndpointAddress, ModelName
 
 __all__ = [

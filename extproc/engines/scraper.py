@@ -24,12 +24,12 @@ from typing import Any
 
 import aiohttp
 
+from extproc.addresses import join_host_port
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
 from extproc.engines.metrics_page import MetricsParseError, parse_signals
 from extproc.engines.poller import EndpointPoller
 from extproc.scheduling.engine_signals import EngineSignals
-from extproc.settings import join_host_port
 from extproc.types import EndpointAddress, EngineKind, WorkerSetKey
 
 log = logging.getLogger(__name__)

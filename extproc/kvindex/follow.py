@@ -16,13 +16,13 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from extproc.addresses import join_host_port
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
 from extproc.kvindex.events import Source
 from extproc.kvindex.index import PrefixIndex
 from extproc.kvindex.ingest import IndexIngest
 from extproc.kvindex.subscriptions import KVSubscriptions, SubscriptionTarget
-from extproc.settings import join_host_port
 from extproc.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)

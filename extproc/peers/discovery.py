@@ -14,10 +14,10 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from extproc.addresses import join_host_port, parse_host_port
 from extproc.kube.client import ApiClient
 from extproc.kube.reflector import Reflector, ReflectorOptions
 from extproc.kube.resources import ENDPOINT_SLICES
-from extproc.settings import join_host_port, parse_host_port
 
 log = logging.getLogger(__name__)
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"

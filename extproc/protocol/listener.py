@@ -10,12 +10,12 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from extproc.addresses import join_host_port, parse_host_port
 from extproc.errors import ConfigError
 from extproc.pb.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from extproc.protocol.health import HealthService
 from extproc.protocol.service import ExternalProcessorService, Routing
 from extproc.protocol.stream import StreamOptions
-from extproc.settings import join_host_port, parse_host_port
 from extproc.telemetry import Metrics
 
 #: gRPC message headroom over the body limit (Envoy sends at most one body chunk per message).

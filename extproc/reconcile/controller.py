@@ -27,6 +27,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from extproc.addresses import parse_host_port
 from extproc.admin import admin_app, start_admin
 from extproc.errors import KubeApiError
 from extproc.kube.reflector import Reflector
@@ -38,7 +39,7 @@ from extproc.reconcile.lease import LeaderElector
 from extproc.reconcile.references import references_by_set
 from extproc.reconcile.serve_state import ServeWatcher
 from extproc.reconcile.status import RouterSide, compute_status, status_differs, status_patch
-from extproc.settings import ReconcileSettings, parse_host_port
+from extproc.settings import ReconcileSettings
 from extproc.tasks import sleep_or_wake
 from extproc.telemetry import LogLimiter
 

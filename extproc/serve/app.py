@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from extproc import __version__
+from extproc.addresses import parse_host_port
 from extproc.admin import AdminRunner, admin_app, start_admin
 from extproc.catalog.discovered import apply_discovery
 from extproc.catalog.model import Catalog
@@ -43,7 +44,7 @@ from extproc.serve.memory import GcWatch, bound_young_generation, freeze_startup
 from extproc.serve.observed import observe_worker_sets
 from extproc.serve.peering import Peering
 from extproc.serve.prefix_routing import PrefixRouting
-from extproc.settings import ServeSettings, parse_host_port
+from extproc.settings import ServeSettings
 from extproc.sources.file import FileSource, ReloadOutcome
 from extproc.sources.kube import KubeSource
 from extproc.tasks import StartStop, cancel_and_wait

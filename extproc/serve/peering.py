@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from extproc.addresses import join_host_port, parse_host_port
 from extproc.control.peers import LeaseFeed, PeerLeases, SharedAccounting
 from extproc.control.requests import RequestControl
 from extproc.kube.client import ApiClient
@@ -22,7 +23,6 @@ from extproc.peers.curve import CurveKey
 from extproc.peers.discovery import PeerFinder, worker_ports
 from extproc.peers.sync import PeerSync
 from extproc.scheduling.scheduler import Decision
-from extproc.settings import join_host_port, parse_host_port
 from extproc.tasks import cancel_and_wait
 from extproc.types import EndpointAddress
 

@@ -23,8 +23,9 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from extproc.addresses import join_host_port, parse_host_port
 from extproc.errors import ExtprocError
-from extproc.settings import ServeSettings, join_host_port, parse_host_port
+from extproc.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 #: ``INDEX/PORT,PORT,...``: this process is worker INDEX; the ports are every worker's peer port.

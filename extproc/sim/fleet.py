@@ -19,8 +19,8 @@ from dataclasses import replace
 from types import TracebackType
 from typing import Self
 
+from extproc.addresses import parse_host_port
 from extproc.errors import ConfigError
-from extproc.settings import parse_host_port
 from extproc.sim.server import SimServer
 from extproc.sim.settings import SimSettings
 

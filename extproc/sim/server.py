@@ -21,8 +21,8 @@ from typing import Any, Self
 
 from aiohttp import web
 
+from extproc.addresses import parse_host_port
 from extproc.errors import ConfigError
-from extproc.settings import parse_host_port
 from extproc.sim.api import build_app
 from extproc.sim.engine_core import EngineCore, RequestOutput, SimRequest, StepResult
 from extproc.sim.engine_loop import EngineLoop

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from extproc.addresses import parse_host_port
 from extproc.errors import ConfigError
-from extproc.settings import parse_host_port
 from extproc.sim.engine_core import EngineParams
 from extproc.sim.kv_publisher import PublisherFaults
 from extproc.sim.kv_wire import EventEncoding, HashFormat
