@@ -1,6 +1,6 @@
 """The transport of peer sync: one ZMQ PUB this replica binds, one SUB per configured peer.
 
-What travels is :mod:`extproc.control.peers`' messages: this replica's lease deltas (batched per
+What travels is :mod:`extproc.control.peer_messages`: this replica's lease deltas (batched per
 :data:`~extproc.control.peers.DELTA_BATCH_S`) and snapshots every
 :data:`~extproc.control.peers.SNAPSHOT_S`. A SUB connects out to its peer's PUB and nothing
 connects in to it, so only configured peers are heard. What protects the PUB (anyone who reaches
