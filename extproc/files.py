@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RACY_NS", "FileRead", "FileStamp", "read_stamped"]
+__all__ = ["RACY_NS", "FileRead", "FileStamp", "FileTooLarge", "read_stamped"]
 
 #: File systems stamp mtimes from a coarse clock: two same-size writes within one tick look alike.
 #: A file modified this recently is read and compared again on the next poll rather than trusted
@@ -40,6 +40,15 @@ class FileStamp:
         return cls.of(os.stat(path))
 
 
+class FileTooLarge(Exception):
+    """The file is over the read's limit; ``size`` is its size as stamped."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"{size:,} bytes, over the {limit:,}-byte limit")
+        self.size = size
+        self.limit = limit
+
+
 @dataclass(frozen=True, slots=True)
 class FileRead:
     """The bytes of one read, with the stamp of the file they came from."""
@@ -57,11 +66,13 @@ def read_stamped(
 ) -> FileRead:
     """Read ``path`` and stamp it from the same open file, so stamp and bytes belong together.
 
-    With ``limit``, at most ``limit + 1`` bytes are read: data longer than ``limit`` means the file
-    is over it, and the caller refuses it without having read all of it. Raises OSError.
+    With ``limit``, at most ``limit + 1`` bytes are read, and a file over it raises
+    :class:`FileTooLarge` without being read whole or hashed. Raises OSError when it cannot be read.
     """
     with path.open("rb") as fh:
         stamp = FileStamp.of(os.fstat(fh.fileno()))
         data = fh.read() if limit is None else fh.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        raise FileTooLarge(stamp.size, limit)
     racy = clock_ns() - stamp.mtime_ns < RACY_NS
     return FileRead(stamp, hashlib.sha256(data).digest(), data, racy)

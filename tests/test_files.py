@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.files import RACY_NS, FileStamp, read_stamped
+from extproc.files import RACY_NS, FileStamp, FileTooLarge, read_stamped
 
 
 def test_a_read_carries_the_bytes_their_digest_and_the_files_stamp(tmp_path: Path) -> None:
@@ -20,10 +20,12 @@ def test_a_read_carries_the_bytes_their_digest_and_the_files_stamp(tmp_path: Pat
     assert read.stamp == FileStamp.at(path)
 
 
-def test_a_limit_reads_one_byte_past_it_so_the_caller_can_refuse_the_file(tmp_path: Path) -> None:
+def test_a_file_over_the_limit_is_refused_with_its_size(tmp_path: Path) -> None:
     path = tmp_path / "big"
     path.write_bytes(b"x" * 100)
-    assert len(read_stamped(path, limit=10).data) == 11
+    with pytest.raises(FileTooLarge, match="100 bytes, over the 10-byte limit") as refused:
+        read_stamped(path, limit=10)
+    assert (refused.value.size, refused.value.limit) == (100, 10)
     assert read_stamped(path, limit=100).data == b"x" * 100
 
 

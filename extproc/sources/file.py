@@ -20,7 +20,7 @@ from typing import Any, Literal
 from extproc.catalog.model import Catalog
 from extproc.catalog.resources import is_catalog_object, iter_objects
 from extproc.errors import ConfigError, SourceError
-from extproc.files import FileRead, FileStamp, read_stamped
+from extproc.files import FileRead, FileStamp, FileTooLarge, read_stamped
 from extproc.settings import SourceSettings
 from extproc.sources.objects import Compiled, Known, ObjectKey, ProblemLog, compile_objects
 from extproc.sources.yaml_load import load_documents
@@ -131,15 +131,11 @@ def _read(path: Path, max_bytes: int) -> FileRead:
     bounded in time and memory whatever lands in the file.
     """
     try:
-        read = read_stamped(path, limit=max_bytes)
+        return read_stamped(path, limit=max_bytes)
     except OSError as exc:
         raise SourceError(_describe(path, exc)) from exc
-    if len(read.data) > max_bytes:
-        raise SourceError(
-            f"catalog file {path}: {read.stamp.size:,} bytes, over the {max_bytes:,}-byte limit "
-            "(--max-catalog-bytes)"
-        )
-    return read
+    except FileTooLarge as exc:
+        raise SourceError(f"catalog file {path}: {exc} (--max-catalog-bytes)") from None
 
 
 def _describe(path: Path, exc: OSError) -> str:
