@@ -144,7 +144,7 @@ def engines_main(endpoints: list[str], page: bytes, conn: Connection, kv: KvPlan
     import zmq.asyncio
     from aiohttp import web
 
-    from extproc.sim.kv_publisher import KVEventPublisher
+    from extproc.sim.kv_publisher import KVEventPublisher, KVEventSettings
 
     async def run() -> dict[str, Any]:
         served = 0
@@ -167,7 +167,9 @@ def engines_main(endpoints: list[str], page: bytes, conn: Connection, kv: KvPlan
         for number, endpoint in enumerate(endpoints if kv is not None else ()):
             assert kv is not None
             host = endpoint.rpartition(":")[0]
-            publisher = KVEventPublisher(host=host, port=kv.port, replay_port=kv.port + 1, context=context)
+            publisher = KVEventPublisher(
+                KVEventSettings(port=kv.port, replay_port=kv.port + 1), host=host, context=context
+            )
             await publisher.start()
             publisher.publish(kv_events(endpoint, number, kv), ts=time.time())
             publishers.append(publisher)

@@ -26,7 +26,7 @@ import logging
 import random
 from collections import deque
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import zmq
 import zmq.asyncio
@@ -72,6 +72,41 @@ class PublisherFaults:
             raise ConfigError(f"--kv-delay-ms must be 0 or more, got {self.delay_seconds * 1000:g}")
 
 
+#: vLLM's ``KVEventsConfig`` defaults (identical from 0.9.0 to 0.33.0).
+DEFAULT_BUFFER_STEPS = 10_000
+DEFAULT_HWM = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventSettings:
+    """The ZMQ publisher of each data-parallel rank (rank r adds r to both ports, as vLLM does).
+
+    ``extproc sim``'s ``--kv-*`` flags build this; the messages name them.
+    """
+
+    #: PUB port of rank 0; 0 picks a free port per rank (reported in logs and ``/sim/state``).
+    port: int
+    #: ROUTER replay port of rank 0; None disables replay.
+    replay_port: int | None = None
+    topic: str = ""
+    encoding: EventEncoding = EventEncoding.MAPS
+    hash_format: HashFormat = HashFormat.INT
+    #: Replay replies carry the topic frame (vLLM >= 0.26) or not (<= 0.25).
+    replay_topic_frame: bool = True
+    #: Batches kept for replay (vLLM's ``buffer_steps``).
+    buffer_steps: int = DEFAULT_BUFFER_STEPS
+    faults: PublisherFaults = field(default_factory=PublisherFaults)
+
+    def __post_init__(self) -> None:
+        for flag, port in (("--kv-events-port", self.port), ("--kv-replay-port", self.replay_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise ConfigError(f"{flag} must be in 0-65535, got {port}")
+        if self.port and self.replay_port and self.port == self.replay_port:
+            raise ConfigError(f"--kv-events-port and --kv-replay-port are both {self.port}")
+        if self.buffer_steps < 1:
+            raise ConfigError(f"--kv-buffer-steps must be at least 1, got {self.buffer_steps}")
+
+
 @dataclass(frozen=True, slots=True)
 class _Held:
     """A batch waiting out its delay."""
@@ -82,38 +117,36 @@ class _Held:
     drop: bool
 
 
+def _rank_port(rank0_port: int, dp_rank: int) -> int:
+    """Rank r binds rank 0's port + r, as vLLM does; 0 stays 0 (a free port for every rank)."""
+    return rank0_port + dp_rank if rank0_port else 0
+
+
 class KVEventPublisher:
     """The ZMQ side of one engine DP rank: PUB stream, ROUTER replay, faults."""
 
     def __init__(
         self,
+        settings: KVEventSettings | None = None,
         *,
         host: str = "127.0.0.1",
-        port: int = 0,
-        replay_port: int | None = None,
-        topic: str = "",
         dp_rank: int = 0,
-        encoding: EventEncoding | str = EventEncoding.MAPS,
-        hash_format: HashFormat | str = HashFormat.INT,
-        replay_topic_frame: bool = True,
-        hwm: int = 100_000,
-        buffer_steps: int = 10_000,
-        faults: PublisherFaults | None = None,
+        hwm: int = DEFAULT_HWM,
         seed: int | None = None,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
-        """``port``/``replay_port`` 0 bind a free port; ``replay_port=None`` disables replay.
-
-        ``replay_topic_frame`` selects vLLM >= 0.26's replay replies (with the topic frame).
-        """
-        self._host, self._port, self._replay_port = host, port, replay_port
-        self._topic = topic.encode()
-        self._dp_rank = dp_rank
-        self._encoding = EventEncoding(encoding)
-        self._hash_format = HashFormat(hash_format)
-        self._replay_topic_frame = replay_topic_frame
-        self._hwm, self._buffer_steps = hwm, buffer_steps
-        self._faults = faults or PublisherFaults()
+        """Publish as rank ``dp_rank`` of ``settings`` (default: a free PUB port, no replay)."""
+        settings = settings if settings is not None else KVEventSettings(port=0)
+        self._host, self._dp_rank = host, dp_rank
+        self._port = _rank_port(settings.port, dp_rank)
+        replay_port = settings.replay_port
+        self._replay_port = None if replay_port is None else _rank_port(replay_port, dp_rank)
+        self._topic = settings.topic.encode()
+        self._encoding = EventEncoding(settings.encoding)
+        self._hash_format = HashFormat(settings.hash_format)
+        self._replay_topic_frame = settings.replay_topic_frame
+        self._hwm, self._buffer_steps = hwm, settings.buffer_steps
+        self._faults = settings.faults
         self._rng = random.Random(seed)
         self._ctx = context or zmq.asyncio.Context.instance()
         self._pub: zmq.asyncio.Socket | None = None
@@ -124,7 +157,7 @@ class KVEventPublisher:
         self._closed = False
         self._seq = itertools.count()
         self._next_seq = 0
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=settings.buffer_steps)
         self._held: asyncio.Queue[_Held] = asyncio.Queue()
         self._holding: _Held | None = None  # the held batch the drainer is waiting on
         self._drainer: asyncio.Task[None] | None = None

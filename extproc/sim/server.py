@@ -123,21 +123,7 @@ class SimServer:
         publisher: KVEventPublisher | None = None
         kv = self.settings.kv_events
         if kv is not None:
-            publisher = KVEventPublisher(
-                host=self._host,
-                port=kv.port + index if kv.port else 0,
-                replay_port=(kv.replay_port + index if kv.replay_port else 0)
-                if kv.replay_port is not None
-                else None,
-                topic=kv.topic,
-                dp_rank=index,
-                encoding=kv.encoding,
-                hash_format=kv.hash_format,
-                replay_topic_frame=kv.replay_topic_frame,
-                buffer_steps=kv.buffer_steps,
-                faults=kv.faults,
-                seed=self.settings.seed + index,
-            )
+            publisher = KVEventPublisher(kv, host=self._host, dp_rank=index, seed=self.settings.seed + index)
             await publisher.start()
         loop = EngineLoop(
             core,

@@ -28,7 +28,7 @@ from extproc.kvindex.keys import block_keys, namespace_seed
 from extproc.kvindex.subscriber import SubscriberOptions
 from extproc.kvindex.subscriptions import KVSubscriptions, SubscriptionTarget
 from extproc.sim.kv_events import BlockRemoved, BlockStored
-from extproc.sim.kv_publisher import KVEventPublisher
+from extproc.sim.kv_publisher import KVEventPublisher, KVEventSettings
 from extproc.types import EndpointAddress
 
 MODEL = "llama"
@@ -216,7 +216,7 @@ async def make_publisher() -> AsyncIterator[MakePublisher]:
     started: list[KVEventPublisher] = []
 
     async def make() -> KVEventPublisher:
-        started.append(KVEventPublisher(port=0, replay_port=0))
+        started.append(KVEventPublisher(KVEventSettings(port=0, replay_port=0)))
         await started[-1].start()
         return started[-1]
 

@@ -25,7 +25,7 @@ from extproc.kvindex.subscriber import (
 )
 from extproc.kvindex.subscriptions import KVSubscriptions, SubscriptionTarget, rank_targets
 from extproc.sim.kv_events import BlockStored, KVEvent
-from extproc.sim.kv_publisher import KVEventPublisher, PublisherFaults
+from extproc.sim.kv_publisher import KVEventPublisher, KVEventSettings, PublisherFaults
 from extproc.sim.kv_wire import encode_batch
 from extproc.types import EndpointAddress
 
@@ -92,9 +92,10 @@ async def make_publisher() -> AsyncIterator[MakePublisher]:
     """Started simulator publishers on free loopback ports (replay on unless told); closed at teardown."""
     started: list[KVEventPublisher] = []
 
-    async def make(**kwargs: Any) -> KVEventPublisher:
-        kwargs.setdefault("replay_port", 0)
-        started.append(KVEventPublisher(**kwargs))
+    async def make(**settings: Any) -> KVEventPublisher:
+        settings.setdefault("port", 0)
+        settings.setdefault("replay_port", 0)
+        started.append(KVEventPublisher(KVEventSettings(**settings)))
         await started[-1].start()
         return started[-1]
 

@@ -14,7 +14,7 @@ import zmq.asyncio
 
 from extproc.errors import ConfigError
 from extproc.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from extproc.sim.kv_publisher import END_SEQ, KVEventPublisher, PublisherFaults
+from extproc.sim.kv_publisher import END_SEQ, KVEventPublisher, KVEventSettings, PublisherFaults
 from extproc.sim.kv_wire import encode_batch
 
 from .kv_subscriber import KVSubscriber, ReconstructedCache, hash_to_int
@@ -39,9 +39,10 @@ async def make_publisher() -> AsyncIterator[MakePublisher]:
     """Factory for started publishers on free loopback ports (replay on unless told); closed at teardown."""
     started: list[KVEventPublisher] = []
 
-    async def make(**kwargs: Any) -> KVEventPublisher:
-        kwargs.setdefault("replay_port", 0)
-        pub = KVEventPublisher(**kwargs)
+    async def make(*, dp_rank: int = 0, seed: int | None = None, **settings: Any) -> KVEventPublisher:
+        settings.setdefault("port", 0)
+        settings.setdefault("replay_port", 0)
+        pub = KVEventPublisher(KVEventSettings(**settings), dp_rank=dp_rank, seed=seed)
         started.append(pub)
         await pub.start()
         return pub
@@ -317,7 +318,7 @@ def test_invalid_faults_are_rejected(kwargs: dict[str, Any]) -> None:
 
 async def test_context_manager_closes_and_publish_then_fails() -> None:
     """``async with`` binds on entry and closes on exit; publishing afterwards is an error."""
-    async with KVEventPublisher(replay_port=0) as pub:
+    async with KVEventPublisher(KVEventSettings(port=0, replay_port=0)) as pub:
         assert pub.replay_endpoint is not None and pub.bound
     with pytest.raises(RuntimeError, match="not running"):
         pub.publish(step(0), ts=0.0)
