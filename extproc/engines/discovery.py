@@ -19,7 +19,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import aiohttp
@@ -27,7 +27,7 @@ import aiohttp
 from extproc.addresses import join_host_port
 from extproc.catalog.discovered import DiscoveredModel, EndpointModels
 from extproc.catalog.model import Catalog
-from extproc.engines.poller import EndpointPoller
+from extproc.engines.poller import EndpointPoller, LastAnswer
 from extproc.types import EndpointAddress, ModelName
 
 __all__ = [
@@ -169,17 +169,13 @@ def discovery_targets(catalog: Catalog) -> dict[EndpointAddress, Target]:
 
 
 @dataclass(slots=True)
-class _State:
-    url: str
+class _State(LastAnswer[EndpointModels]):
+    """An endpoint's latest ``/v1/models`` answer, and when to ask again."""
+
+    _: KW_ONLY
     interval: float
     #: ``clock()`` at which the next poll is due.
     due: float
-    result: EndpointModels | None = None
-    fetched_at: float | None = None
-    error: str | None = None
-    error_at: float | None = None
-    polls: int = 0
-    failures: int = 0
 
 
 class ModelDiscovery(EndpointPoller):
@@ -221,13 +217,13 @@ class ModelDiscovery(EndpointPoller):
 
     def results(self) -> Mapping[EndpointAddress, EndpointModels]:
         """The last good answer of every followed endpoint that has answered (a fresh dict)."""
-        return {a: s.result for a, s in self._states.items() if s.result is not None}
+        return {a: s.value for a, s in self._states.items() if s.value is not None}
 
     def debug_state(self) -> dict[str, Any]:
         now = self._clock()
         endpoints: dict[str, Any] = {}
         for address, state in sorted(self._states.items()):
-            result = state.result
+            result = state.value
             endpoints[address] = {
                 "url": state.url,
                 "intervalSeconds": state.interval,
@@ -238,9 +234,9 @@ class ModelDiscovery(EndpointPoller):
                     for m in result.models
                 ],
                 "skippedCards": None if result is None else result.skipped,
-                "ageSeconds": None if state.fetched_at is None else round(now - state.fetched_at, 3),
+                "ageSeconds": None if state.answered_at is None else round(now - state.answered_at, 3),
                 "error": state.error,
-                "polls": state.polls,
+                "polls": state.asks,
                 "failures": state.failures,
             }
         return {
@@ -269,13 +265,13 @@ class ModelDiscovery(EndpointPoller):
         now = self._clock()
         changed = False
         for address in set(self._states) - set(targets):
-            changed |= self._states.pop(address).result is not None
+            changed |= self._states.pop(address).value is not None
             self.forget(address)
         for address, target in targets.items():
             state = self._states.get(address)
             if state is None or state.url != target.url:
-                changed |= state is not None and state.result is not None
-                self._states[address] = _State(target.url, target.interval, due=now)
+                changed |= state is not None and state.value is not None
+                self._states[address] = _State(target.url, interval=target.interval, due=now)
             elif state.interval != target.interval:
                 state.interval = target.interval
                 state.due = min(state.due, now + target.interval)
@@ -304,20 +300,17 @@ class ModelDiscovery(EndpointPoller):
         state = self._states.get(address)
         if state is None or state.url != url:
             return False  # the endpoint left (or moved) while we were asking it
-        state.polls += 1
         if result is None:
             assert error is not None
-            state.failures += 1
-            state.error, state.error_at = str(error), now
+            state.failed(error, now)
             state.due = now + min(state.interval, FAILURE_RETRY)
             self.warn_sometimes(address, error)
             return False
-        if state.error is not None:
+        changed = state.value is None or state.value.models != result.models
+        if state.answered(result, now):
             log.info("model discovery recovered endpoint=%s", address)
-        changed = state.result is None or state.result.models != result.models
         if changed:
             log.info("models discovered endpoint=%s models=%s", address, ",".join(result.names()) or "-")
-        state.result, state.fetched_at, state.error, state.error_at = result, now, None, None
         state.due = now + state.interval
         return changed
 

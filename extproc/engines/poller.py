@@ -2,7 +2,8 @@
 
 A poller (:mod:`~extproc.engines.scraper`, :mod:`~extproc.engines.discovery`,
 :mod:`~extproc.engines.parity`) keeps its own per-endpoint state and says what one round does
-(:meth:`EndpointPoller.round`) and how long to wait before the next (:meth:`EndpointPoller.delay`).
+(:meth:`EndpointPoller.round`) and how long to wait before the next (:meth:`EndpointPoller.delay`);
+what each endpoint last answered is kept in a :class:`LastAnswer`.
 This base runs the rounds in one owned task (a failing round is logged and the next one runs;
 :meth:`wake` starts one early), owns or borrows the ``aiohttp`` session, asks endpoints through
 :meth:`get` (concurrency-bounded, time-bounded, size-bounded, every failure turned into a message),
@@ -19,7 +20,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import aiohttp
 
@@ -49,6 +50,34 @@ class AskFailure:
 
     def __str__(self) -> str:
         return self.message
+
+
+@dataclass(slots=True)
+class LastAnswer(Generic[T]):
+    """What a poller keeps of one endpoint: its latest good answer and the failure since, if any."""
+
+    url: str
+    #: The latest good answer (kept across later failures); None before the first.
+    value: T | None = None
+    #: ``clock()`` when ``value`` came.
+    answered_at: float | None = None
+    #: What went wrong since the latest good answer; None once one comes.
+    error: str | None = None
+    error_at: float | None = None
+    asks: int = 0
+    failures: int = 0
+
+    def answered(self, value: T, now: float) -> bool:
+        """Keep a good answer; True when it ends a run of failures (worth saying so in the log)."""
+        recovered = self.error is not None
+        self.asks += 1
+        self.value, self.answered_at, self.error, self.error_at = value, now, None, None
+        return recovered
+
+    def failed(self, error: AskFailure, now: float) -> None:
+        self.asks += 1
+        self.failures += 1
+        self.error, self.error_at = str(error), now
 
 
 class EndpointPoller:

@@ -28,7 +28,7 @@ from extproc.addresses import join_host_port
 from extproc.catalog.model import Catalog
 from extproc.catalog.store import CatalogStore
 from extproc.engines.metrics_page import MetricsParseError, parse_signals
-from extproc.engines.poller import EndpointPoller
+from extproc.engines.poller import EndpointPoller, LastAnswer
 from extproc.scheduling.engine_signals import EngineSignals
 from extproc.types import EndpointAddress, EngineKind, WorkerSetKey
 
@@ -79,14 +79,9 @@ class EndpointSignals:
 
 
 @dataclass(slots=True)
-class _State:
-    url: str
-    signals: EngineSignals | None = None
-    scraped_at: float | None = None
-    error: str | None = None
-    error_at: float | None = None
-    scrapes: int = 0
-    failures: int = 0
+class _State(LastAnswer[EngineSignals | None]):
+    """An endpoint's latest scrape (``value``: its signals, None if its page showed none we know)."""
+
     #: The latest scrape found nothing listening (refused, reset): the engine is probably gone.
     unreachable: bool = False
     #: The gateway gave up on it and retried elsewhere, cause unknown: avoided until the next scrape.
@@ -166,11 +161,11 @@ class EngineScraper(EndpointPoller):
     def usable(self, address: EndpointAddress) -> EngineSignals | None:
         """One endpoint's signals if fresh, else None: the scheduler's per-candidate read (no copies)."""
         state = self._states.get(address)
-        if state is None or state.scraped_at is None:
+        if state is None or state.answered_at is None:
             return None
-        if self._clock() - state.scraped_at > STALE_INTERVALS * self.interval:
+        if self._clock() - state.answered_at > STALE_INTERVALS * self.interval:
             return None
-        return state.signals
+        return state.value
 
     def reachable(self, address: EndpointAddress) -> bool:
         """False while the endpoint's latest scrape found nothing listening (its process is gone).
@@ -187,12 +182,12 @@ class EngineScraper(EndpointPoller):
         limit = STALE_INTERVALS * self.interval
         result: dict[EndpointAddress, EndpointSignals] = {}
         for address, state in self._states.items():
-            age = None if state.scraped_at is None else now - state.scraped_at
+            age = None if state.answered_at is None else now - state.answered_at
             result[address] = EndpointSignals(
                 address=address,
                 url=state.url,
-                signals=state.signals,
-                scraped_at=state.scraped_at,
+                signals=state.value,
+                scraped_at=state.answered_at,
                 error=state.error,
                 error_at=state.error_at,
                 age=age,
@@ -211,7 +206,7 @@ class EngineScraper(EndpointPoller):
                 "error": entry.error,
                 "unreachable": state.unreachable,
                 "suspect": state.suspect,
-                "scrapes": state.scrapes,
+                "scrapes": state.asks,
                 "failures": state.failures,
                 "signals": None if entry.signals is None else entry.signals.to_debug(),
             }
@@ -278,7 +273,7 @@ class EngineScraper(EndpointPoller):
         """Per worker set, its endpoints whose metrics name another engine than the set declares."""
         problems: dict[WorkerSetKey, list[str]] = {}
         for address, state in sorted(self._states.items()):
-            detected = state.signals.engine_kind if state.signals is not None else None
+            detected = state.value.engine_kind if state.value is not None else None
             if state.worker_set is not None and _contradicts(state.declared, detected):
                 problems.setdefault(state.worker_set, []).append(
                     _kind_problem(address, state.declared, detected)
@@ -340,22 +335,19 @@ class EngineScraper(EndpointPoller):
         state = self._states.get(address)
         if state is None or state.url != url:
             return  # the endpoint left (or moved) while we were asking it
-        state.scrapes += 1
         state.suspect = False  # whatever the gateway saw, this scrape is the newer word
         if error is None:
-            if state.error is not None:
-                log.info("engine metrics recovered endpoint=%s", address)
-            before = state.signals.engine_kind if state.signals is not None else None
+            before = state.value.engine_kind if state.value is not None else None
             detected = signals.engine_kind if signals is not None else None
             if detected != before and _contradicts(state.declared, detected):
                 log.warning("%s", _kind_problem(address, state.declared, detected))
-            state.signals, state.scraped_at, state.error, state.error_at = signals, now, None, None
+            if state.answered(signals, now):
+                log.info("engine metrics recovered endpoint=%s", address)
             state.unreachable = False
             if signals is not None:
                 self._on_signals(address, signals)
             return
-        state.failures += 1
-        state.error, state.error_at = str(error), now
+        state.failed(error, now)
         self.warn_sometimes(address, error)
         if error.unreachable:
             self._mark_unreachable(address, state, "its metrics port refused the connection")
