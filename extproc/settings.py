@@ -6,11 +6,13 @@ below the CLI receives a validated :class:`ServeSettings` and never reads flags 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from extproc.addresses import parse_host_port
 from extproc.errors import ConfigError
@@ -31,6 +33,18 @@ def check_namespaces(namespaces: tuple[str, ...] | None) -> None:
     for namespace in namespaces:
         if not _DNS_LABEL.fullmatch(namespace):
             raise ConfigError(f"--namespaces: {namespace!r} is not a namespace name (RFC 1123 label)")
+
+
+def field_defaults(settings: type[Any]) -> dict[str, Any]:
+    """A settings dataclass's field defaults. The CLI's flags take their defaults from here, so each
+    default is stated once (``--help`` and ``docs/flags.md`` show it from there)."""
+    defaults: dict[str, Any] = {}
+    for f in dataclasses.fields(settings):
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+    return defaults
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,14 +412,14 @@ class ReconcileSettings:
     namespaces: tuple[str, ...] | None = None
     #: Base URL of the ``serve`` admin port beside us (its ``/debug/state``). Loopback by default.
     serve_admin: str = "http://127.0.0.1:9090"
-    #: Seconds between reads of ``serve``'s state, and the longest wait for one. Defaults 2 s / 1.5 s.
+    #: Seconds between reads of ``serve``'s state, and the longest wait for one.
     serve_poll_interval: float = 2.0
     serve_timeout: float = 1.5
     #: The ``coordination.k8s.io`` Lease that elects the one replica writing status.
     lease_name: str = "extproc-reconciler"
     lease_namespace: str = "default"
-    #: Seconds: how long a leader's lease lasts unrenewed (15), how often it renews (5), and how
-    #: often a follower retries (2). A leader stops writing 2/3 of a lease duration after its last
+    #: Seconds: how long a leader's lease lasts unrenewed, how often it renews, and how often a
+    #: follower retries. A leader stops writing 2/3 of a lease duration after its last
     #: renewal, before anyone may take over.
     lease_duration: float = 15.0
     renew_interval: float = 5.0

@@ -13,7 +13,9 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 
-from extproc.settings import ReconcileSettings, parse_namespaces
+from extproc.settings import ReconcileSettings, field_defaults, parse_namespaces
+
+_DEFAULTS = field_defaults(ReconcileSettings)
 
 
 def add_reconcile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -32,21 +34,53 @@ def add_reconcile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument(
         "--namespaces", default="", help="comma-separated namespaces to reconcile (default: all namespaces)"
     )
-    p.add_argument("--serve-admin", default="http://127.0.0.1:9090", help="serve's admin URL")
-    p.add_argument("--serve-poll-interval", type=float, default=2.0, help="seconds between reads of serve")
-    p.add_argument("--serve-timeout", type=float, default=1.5, help="seconds one read of serve may take")
-    p.add_argument("--lease-name", default="extproc-reconciler", help="Lease name")
+    p.add_argument("--serve-admin", default=_DEFAULTS["serve_admin"], help="serve's admin URL")
+    p.add_argument(
+        "--serve-poll-interval",
+        type=float,
+        default=_DEFAULTS["serve_poll_interval"],
+        help="seconds between reads of serve",
+    )
+    p.add_argument(
+        "--serve-timeout",
+        type=float,
+        default=_DEFAULTS["serve_timeout"],
+        help="seconds one read of serve may take",
+    )
+    p.add_argument("--lease-name", default=_DEFAULTS["lease_name"], help="Lease name")
     p.add_argument(
         "--lease-namespace", default=None, help="Lease namespace (default: $POD_NAMESPACE, else default)"
     )
-    p.add_argument("--lease-duration", type=float, default=15.0, help="seconds a lease lasts unrenewed")
-    p.add_argument("--lease-renew-interval", type=float, default=5.0, help="seconds between renewals")
-    p.add_argument("--lease-retry-interval", type=float, default=2.0, help="seconds between tries to lead")
+    p.add_argument(
+        "--lease-duration",
+        type=float,
+        default=_DEFAULTS["lease_duration"],
+        help="seconds a lease lasts unrenewed",
+    )
+    p.add_argument(
+        "--lease-renew-interval",
+        type=float,
+        default=_DEFAULTS["renew_interval"],
+        help="seconds between renewals",
+    )
+    p.add_argument(
+        "--lease-retry-interval",
+        type=float,
+        default=_DEFAULTS["retry_interval"],
+        help="seconds between tries to lead",
+    )
     p.add_argument(
         "--identity", default=None, help="this replica in the Lease (default: $POD_NAME, else hostname)"
     )
-    p.add_argument("--admin-listen", default="127.0.0.1:9091", help="/healthz, /metrics, /debug/state")
-    p.add_argument("--resync-interval", type=float, default=30.0, help="seconds between full passes")
+    p.add_argument(
+        "--admin-listen", default=_DEFAULTS["admin_listen"], help="/healthz, /metrics, /debug/state"
+    )
+    p.add_argument(
+        "--resync-interval",
+        type=float,
+        default=_DEFAULTS["resync_interval"],
+        help="seconds between full passes",
+    )
     p.set_defaults(handler=run_reconcile)
 
 

@@ -24,6 +24,8 @@ from extproc.types import ENGINE_KINDS
 
 _ENGINE_DEFAULTS = EngineParams()
 _DEFAULTS = SimSettings()
+_KV_DEFAULTS = KVEventSettings(port=0)
+_KV_DELAY_MS = _KV_DEFAULTS.faults.delay_seconds * 1000
 
 
 def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -41,10 +43,10 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     g.add_argument(
         "--engine",
         choices=list(ENGINE_KINDS),
-        default="vllm",
+        default=_DEFAULTS.engine_kind,
         help="whose surface to show: routes, metric names, KV-event encoding",
     )
-    g.add_argument("--listen", default="127.0.0.1:8000", help="HTTP address (127.0.0.1:8000); port 0 = any")
+    g.add_argument("--listen", default=_DEFAULTS.listen, help="HTTP address; port 0 = any")
     g.add_argument("--replicas", type=int, default=1, help="engines to start, on consecutive ports")
     g.add_argument("--model", default=_DEFAULTS.model, help="model path or id, /v1/models root")
     g.add_argument("--served-model-name", nargs="+", default=[], help="names clients use (default: --model)")
@@ -62,7 +64,7 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     g.add_argument(
         "--tokenize-cache-mb",
         type=float,
-        default=0.0,
+        default=_DEFAULTS.tokenize_cache_bytes / (1024 * 1024),
         help="remember this many MiB of prompt pieces, so a repeated prefix is encoded once (same ids; "
         "saves a load harness's CPU); 0 encodes every prompt whole, as vLLM does",
     )
@@ -129,8 +131,15 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         default=d.prefix_caching_hash_algo,
         help="what hashes the blocks, as vLLM's flag (sha256; xxhash needs the xxhash package)",
     )
-    g.add_argument("--data-parallel-size", type=int, default=1, help="DP ranks, each its own cache")
-    g.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per simulated second")
+    g.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=_DEFAULTS.data_parallel_size,
+        help="DP ranks, each its own cache",
+    )
+    g.add_argument(
+        "--time-scale", type=float, default=_DEFAULTS.time_scale, help="wall seconds per simulated second"
+    )
     g = p.add_argument_group("KV events (the engine's ZMQ publisher)")
     g.add_argument(
         "--kv-events-port", type=int, default=None, help="PUB port of rank 0; 0 = any; off if unset"
@@ -138,7 +147,7 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     g.add_argument(
         "--kv-replay-port", type=int, default=None, help="ROUTER replay port of rank 0; off if unset"
     )
-    g.add_argument("--kv-topic", default="", help="topic frame of every message")
+    g.add_argument("--kv-topic", default=_KV_DEFAULTS.topic, help="topic frame of every message")
     g.add_argument(
         "--kv-encoding",
         choices=[e.value for e in EventEncoding],
@@ -158,16 +167,23 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         default=4,
         help="replay replies without (vLLM <= 0.25) or with (>= 0.26) the topic frame",
     )
-    g.add_argument("--kv-buffer-steps", type=int, default=10_000, help="batches kept for replay")
+    g.add_argument(
+        "--kv-buffer-steps", type=int, default=_KV_DEFAULTS.buffer_steps, help="batches kept for replay"
+    )
     g.add_argument(
         "--published-block-size",
         type=int,
         default=None,
         help="publish coarser blocks than --block-size (a multiple of it), as hybrid models do",
     )
-    g.add_argument("--kv-drop-probability", type=float, default=0.0, help="lose this share of batches")
-    g.add_argument("--kv-delay-ms", type=float, default=0.0, help="publish every batch this late")
-    g.add_argument("--seed", type=int, default=0, help="seed of the fault injection")
+    g.add_argument(
+        "--kv-drop-probability",
+        type=float,
+        default=_KV_DEFAULTS.faults.drop_probability,
+        help="lose this share of batches",
+    )
+    g.add_argument("--kv-delay-ms", type=float, default=_KV_DELAY_MS, help="publish every batch this late")
+    g.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of the fault injection")
     p.set_defaults(handler=run_sim)
 
 
@@ -209,9 +225,9 @@ def sim_settings(args: argparse.Namespace) -> SimSettings:
         # KV-event flags without a publisher would be silently ignored: say so instead.
         for flag, value, default in (
             ("--kv-replay-port", args.kv_replay_port, None),
-            ("--kv-topic", args.kv_topic, ""),
-            ("--kv-drop-probability", args.kv_drop_probability, 0.0),
-            ("--kv-delay-ms", args.kv_delay_ms, 0.0),
+            ("--kv-topic", args.kv_topic, _KV_DEFAULTS.topic),
+            ("--kv-drop-probability", args.kv_drop_probability, _KV_DEFAULTS.faults.drop_probability),
+            ("--kv-delay-ms", args.kv_delay_ms, _KV_DELAY_MS),
         ):
             if value != default:
                 raise ConfigError(f"{flag} needs --kv-events-port (the publisher it configures is off)")
