@@ -6,13 +6,11 @@ below the CLI receives a validated :class:`ServeSettings` and never reads flags 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from extproc.addresses import parse_host_port
 from extproc.errors import ConfigError
@@ -33,18 +31,6 @@ def check_namespaces(namespaces: tuple[str, ...] | None) -> None:
     for namespace in namespaces:
         if not _DNS_LABEL.fullmatch(namespace):
             raise ConfigError(f"--namespaces: {namespace!r} is not a namespace name (RFC 1123 label)")
-
-
-def field_defaults(settings: type[Any]) -> dict[str, Any]:
-    """A settings dataclass's field defaults. The CLI's flags take their defaults from here, so each
-    default is stated once (``--help`` and ``docs/flags.md`` show it from there)."""
-    defaults: dict[str, Any] = {}
-    for f in dataclasses.fields(settings):
-        if f.default is not dataclasses.MISSING:
-            defaults[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            defaults[f.name] = f.default_factory()
-    return defaults
 
 
 @dataclass(frozen=True, slots=True)

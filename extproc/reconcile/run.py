@@ -13,13 +13,15 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 
-from extproc.settings import ReconcileSettings, field_defaults, parse_namespaces
+from extproc.settings import ReconcileSettings, parse_namespaces
 
-_DEFAULTS = field_defaults(ReconcileSettings)
+#: Where the flags take their defaults from (the identity has none: see reconcile_settings).
+_DEFAULTS = ReconcileSettings(identity="-")
 
 
 def add_reconcile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``extproc reconcile`` to the CLI; :func:`run_reconcile` is its handler."""
+    d = _DEFAULTS
     p = sub.add_parser(
         "reconcile",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -34,51 +36,49 @@ def add_reconcile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument(
         "--namespaces", default="", help="comma-separated namespaces to reconcile (default: all namespaces)"
     )
-    p.add_argument("--serve-admin", default=_DEFAULTS["serve_admin"], help="serve's admin URL")
+    p.add_argument("--serve-admin", default=d.serve_admin, help="serve's admin URL")
     p.add_argument(
         "--serve-poll-interval",
         type=float,
-        default=_DEFAULTS["serve_poll_interval"],
+        default=d.serve_poll_interval,
         help="seconds between reads of serve",
     )
     p.add_argument(
         "--serve-timeout",
         type=float,
-        default=_DEFAULTS["serve_timeout"],
+        default=d.serve_timeout,
         help="seconds one read of serve may take",
     )
-    p.add_argument("--lease-name", default=_DEFAULTS["lease_name"], help="Lease name")
+    p.add_argument("--lease-name", default=d.lease_name, help="Lease name")
     p.add_argument(
         "--lease-namespace", default=None, help="Lease namespace (default: $POD_NAMESPACE, else default)"
     )
     p.add_argument(
         "--lease-duration",
         type=float,
-        default=_DEFAULTS["lease_duration"],
+        default=d.lease_duration,
         help="seconds a lease lasts unrenewed",
     )
     p.add_argument(
         "--lease-renew-interval",
         type=float,
-        default=_DEFAULTS["renew_interval"],
+        default=d.renew_interval,
         help="seconds between renewals",
     )
     p.add_argument(
         "--lease-retry-interval",
         type=float,
-        default=_DEFAULTS["retry_interval"],
+        default=d.retry_interval,
         help="seconds between tries to lead",
     )
     p.add_argument(
         "--identity", default=None, help="this replica in the Lease (default: $POD_NAME, else hostname)"
     )
-    p.add_argument(
-        "--admin-listen", default=_DEFAULTS["admin_listen"], help="/healthz, /metrics, /debug/state"
-    )
+    p.add_argument("--admin-listen", default=d.admin_listen, help="/healthz, /metrics, /debug/state")
     p.add_argument(
         "--resync-interval",
         type=float,
-        default=_DEFAULTS["resync_interval"],
+        default=d.resync_interval,
         help="seconds between full passes",
     )
     p.set_defaults(handler=run_reconcile)

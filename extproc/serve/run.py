@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 from extproc.errors import ConfigError
 from extproc.scheduling.registry import DEFAULT_POLICY, POLICIES
@@ -20,14 +22,26 @@ from extproc.settings import (
     ServeSettings,
     SourceSettings,
     TokenizerSpec,
-    field_defaults,
 )
 
-_SERVE = field_defaults(ServeSettings)
-_PREFIX = field_defaults(PrefixSettings)
-_SOURCE = field_defaults(SourceSettings)
-_CANDIDATES = field_defaults(CandidateSettings)
-_FLOW = field_defaults(FlowSettings)
+
+def _field_defaults(settings: type[Any]) -> dict[str, Any]:
+    """A settings dataclass's field defaults: flags take their defaults from the settings, so each
+    default is stated once (``--help`` and ``docs/flags.md`` show it from there)."""
+    defaults: dict[str, Any] = {}
+    for f in dataclasses.fields(settings):
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+    return defaults
+
+
+_SERVE = _field_defaults(ServeSettings)
+_PREFIX = _field_defaults(PrefixSettings)
+_SOURCE = _field_defaults(SourceSettings)
+_CANDIDATES = _field_defaults(CandidateSettings)
+_FLOW = _field_defaults(FlowSettings)
 
 
 def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
