@@ -10,13 +10,14 @@ asyncio server (or its thread-pool server), whose handler ends the stream one wa
   half-close, or waiting ``CLOSE_WAIT_S`` after it as ``serve`` now does;
 - **routing** (BUFFERED; answers each message as serve does, the destination on the body):
   reading until Envoy ends the stream, or, once the response headers are answered, reading nothing
-  more and waiting as ``serve`` now does.
+  more and waiting as ``serve`` now does, or returning at once (``routing-return``: Envoy leaves a
+  BUFFERED stream open after them; ``--response-ms`` makes the answer long, as a model's).
 
 The child reports glibc ``mallinfo2`` bytes in use (objects collected first) after a warm-up and
 after each round of requests; the growth per request in the later rounds is what the server keeps
 for good per stream (the first round still fills caches).
 
-    python bench/investigations/stream_ends.py [--requests 10000] [--rounds 3]
+    python bench/investigations/stream_ends.py [--requests 10000] [--rounds 3] [--response-ms 0]
     # -> bench/results/stream_ends.{json,md}
 """
 
@@ -78,6 +79,11 @@ ARMS = {
         "aio",
         "routing, grpc.aio done reading after the response headers (serve now)",
     ),
+    "routing-return": (
+        "routing",
+        "aio",
+        "routing, grpc.aio returning at once after the response headers",
+    ),
 }
 
 
@@ -105,13 +111,15 @@ def _answers(request: ep.ProcessingRequest, backend: str) -> list[ep.ProcessingR
 async def serve_aio(arm: str, backend: str) -> None:
     """The child, grpc.aio: prints its port, then malloc bytes in use for each line on stdin."""
     wait = arm.endswith("-wait")
+    done_at_headers = wait or arm == "routing-return"
 
     async def process(requests: AsyncIterator[ep.ProcessingRequest], _context: Any) -> Any:
         async for request in requests:
             for answer in _answers(request, backend):
                 yield answer
-            if wait and request.WhichOneof("request") == "response_headers":
-                await asyncio.sleep(CLOSE_WAIT_S)  # nothing more comes: read nothing, wait
+            if done_at_headers and request.WhichOneof("request") == "response_headers":
+                if wait:
+                    await asyncio.sleep(CLOSE_WAIT_S)  # nothing more comes: read nothing, wait
                 return
         if wait:
             await asyncio.sleep(CLOSE_WAIT_S)
@@ -139,15 +147,23 @@ def serve_sync(backend: str) -> None:
     answer_malloc_readings()
 
 
-async def measure(arm: str, requests: int, rounds: int) -> dict[str, Any]:
+async def measure(arm: str, requests: int, rounds: int, response_ms: float) -> dict[str, Any]:
     from stack import free_port, is_accounting_filter, keep_http_filters
 
     filter_kind, servicer, _ = ARMS[arm]
     app = web.Application()
 
-    async def ok(request: web.Request) -> web.Response:
+    async def ok(request: web.Request) -> web.StreamResponse:
         await request.read()
-        return web.json_response({"ok": True})
+        if not response_ms:
+            return web.json_response({"ok": True})
+        # A long answer, as a model's: the headers at once, the body response_ms later.
+        response = web.StreamResponse(headers={"content-type": "application/json"})
+        await response.prepare(request)
+        await asyncio.sleep(response_ms / 1000)
+        await response.write(b'{"ok": true}')
+        await response.write_eof()
+        return response
 
     app.router.add_route("*", "/{tail:.*}", ok)
     runner = web.AppRunner(app)
@@ -235,7 +251,8 @@ def report(results: dict[str, Any]) -> str:
     lines += [
         "",
         f"Each round is {results['requests_per_round']:,} requests through real Envoy (BUFFERED, "
-        f"{CONCURRENCY} at a time). The servicers are bare: no serve code, serve's answers. Envoy "
+        f"{CONCURRENCY} at a time; the backend's body comes {results.get('response_ms', 0):g} ms after "
+        "its headers). The servicers are bare: no serve code, serve's answers. Envoy "
         "half-closes a finished ext_proc stream and resets it at once. A handler that has returned "
         "by then races the reset; one still reading when the reset lands leaves its pending "
         "receive behind (grpc/grpc#43360); both keep memory for good. A handler that has stopped "
@@ -251,6 +268,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=10_000, help="requests per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    parser.add_argument(
+        "--response-ms",
+        type=float,
+        default=0.0,
+        help="the backend sends its body this long after its headers (a long answer, as a model's)",
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results" / "stream_ends.json")
     parser.add_argument("--serve", choices=list(ARMS), help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
@@ -261,9 +284,14 @@ def main() -> None:
         else:
             asyncio.run(serve_aio(args.serve, args.backend))
         return
-    results: dict[str, Any] = {"machine": machine(), "requests_per_round": args.requests, "arms": {}}
+    results: dict[str, Any] = {
+        "machine": machine(),
+        "requests_per_round": args.requests,
+        "response_ms": args.response_ms,
+        "arms": {},
+    }
     for arm in args.arms:
-        results["arms"][arm] = asyncio.run(measure(arm, args.requests, args.rounds))
+        results["arms"][arm] = asyncio.run(measure(arm, args.requests, args.rounds, args.response_ms))
         print(arm, results["arms"][arm]["bytes_per_stream_by_round"], flush=True)
     record(args.out, results, report)
 
