@@ -144,7 +144,8 @@ def engines_main(endpoints: list[str], page: bytes, conn: Connection, kv: KvPlan
     import zmq.asyncio
     from aiohttp import web
 
-    from extproc.sim.kv_publisher import KVEventPublisher, KVEventSettings
+    from extproc.sim.kv_publisher import KVEventPublisher
+    from extproc.sim.settings import KVEventSettings
 
     async def run() -> dict[str, Any]:
         served = 0

@@ -60,9 +60,8 @@ def fleet_main(config: dict[str, Any], conn: Connection) -> None:
 
 async def _fleet(config: dict[str, Any], conn: Connection) -> None:
     from extproc.sim.fleet import SimFleet
-    from extproc.sim.kv_publisher import KVEventSettings
     from extproc.sim.kv_wire import EventEncoding
-    from extproc.sim.settings import SimSettings
+    from extproc.sim.settings import KVEventSettings, SimSettings
 
     kind = config.get("engine_kind", "vllm")
     encoding = EventEncoding.SGLANG if kind == "sglang" else EventEncoding.MAPS

@@ -11,8 +11,7 @@ from extproc.errors import ConfigError, ExtprocError
 from extproc.gateway.config import BodyMode, shipped_config
 from extproc.gateway.process import EnvoyError, envoy_binary
 from extproc.sim.engine_core import EngineParams
-from extproc.sim.kv_publisher import KVEventSettings
-from extproc.sim.settings import SimSettings
+from extproc.sim.settings import KVEventSettings, SimSettings
 
 HOST = "127.0.0.1"
 #: The engines' defaults model an 8B model on one H100 at real speed (time scale 1): ~6 ms per

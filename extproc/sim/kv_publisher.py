@@ -26,14 +26,14 @@ import logging
 import random
 from collections import deque
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import zmq
 import zmq.asyncio
 
-from extproc.errors import ConfigError
 from extproc.sim.kv_events import KVEvent
 from extproc.sim.kv_wire import EventEncoding, HashFormat, encode_batch
+from extproc.sim.settings import DEFAULT_HWM, KVEventSettings, PublisherFaults
 
 log = logging.getLogger(__name__)
 
@@ -42,69 +42,6 @@ END_SEQ = b"\xff" * 8
 #: How long :meth:`KVEventPublisher.restart` keeps retrying to re-bind the old port.
 _REBIND_TIMEOUT = 5.0
 _REBIND_INTERVAL = 0.005
-
-
-@dataclass(frozen=True, slots=True)
-class PublisherFaults:
-    """Faults injected into the PUB stream, so a subscriber's repair paths can be exercised.
-
-    Set at start (``extproc sim --kv-drop-probability / --kv-delay-ms``), changed at runtime with
-    ``set_faults`` (``POST /sim/kv_events``). A dropped batch stays in the replay buffer, its
-    sequence number consumed.
-    """
-
-    #: Probability (0-1) that a batch is dropped; drawn from the publisher's seeded RNG only when > 0.
-    drop_probability: float = 0.0
-    #: Drop the next N batches deterministically (counts down as they are dropped).
-    drop_next: int = 0
-    #: Seconds each batch is held before it goes out on PUB; order is always kept.
-    delay_seconds: float = 0.0
-
-    def __post_init__(self) -> None:
-        # The messages name the sim's flags too: ``extproc sim`` builds this from them.
-        if not 0.0 <= self.drop_probability <= 1.0:
-            raise ConfigError(
-                f"--kv-drop-probability (drop_probability) must be in 0-1, got {self.drop_probability}"
-            )
-        if self.drop_next < 0:
-            raise ConfigError(f"drop_next must be 0 or more, got {self.drop_next}")
-        if self.delay_seconds < 0:
-            raise ConfigError(f"--kv-delay-ms must be 0 or more, got {self.delay_seconds * 1000:g}")
-
-
-#: vLLM's ``KVEventsConfig`` defaults (identical from 0.9.0 to 0.33.0).
-DEFAULT_BUFFER_STEPS = 10_000
-DEFAULT_HWM = 100_000
-
-
-@dataclass(frozen=True, slots=True)
-class KVEventSettings:
-    """The ZMQ publisher of each data-parallel rank (rank r adds r to both ports, as vLLM does).
-
-    ``extproc sim``'s ``--kv-*`` flags build this; the messages name them.
-    """
-
-    #: PUB port of rank 0; 0 picks a free port per rank (reported in logs and ``/sim/state``).
-    port: int
-    #: ROUTER replay port of rank 0; None disables replay.
-    replay_port: int | None = None
-    topic: str = ""
-    encoding: EventEncoding = EventEncoding.MAPS
-    hash_format: HashFormat = HashFormat.INT
-    #: Replay replies carry the topic frame (vLLM >= 0.26) or not (<= 0.25).
-    replay_topic_frame: bool = True
-    #: Batches kept for replay (vLLM's ``buffer_steps``).
-    buffer_steps: int = DEFAULT_BUFFER_STEPS
-    faults: PublisherFaults = field(default_factory=PublisherFaults)
-
-    def __post_init__(self) -> None:
-        for flag, port in (("--kv-events-port", self.port), ("--kv-replay-port", self.replay_port)):
-            if port is not None and not 0 <= port <= 65535:
-                raise ConfigError(f"{flag} must be in 0-65535, got {port}")
-        if self.port and self.replay_port and self.port == self.replay_port:
-            raise ConfigError(f"--kv-events-port and --kv-replay-port are both {self.port}")
-        if self.buffer_steps < 1:
-            raise ConfigError(f"--kv-buffer-steps must be at least 1, got {self.buffer_steps}")
 
 
 @dataclass(frozen=True, slots=True)

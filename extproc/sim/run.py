@@ -17,9 +17,8 @@ from extproc.errors import ConfigError
 from extproc.sim.block_hash import HASH_ALGOS
 from extproc.sim.engine_core import EngineParams
 from extproc.sim.fleet import SimFleet
-from extproc.sim.kv_publisher import KVEventSettings, PublisherFaults
 from extproc.sim.kv_wire import EventEncoding, HashFormat
-from extproc.sim.settings import LoraModule, SimSettings
+from extproc.sim.settings import KVEventSettings, LoraModule, PublisherFaults, SimSettings
 from extproc.types import ENGINE_KINDS
 
 _ENGINE_DEFAULTS = EngineParams()

@@ -29,10 +29,9 @@ from extproc.openai import read_request
 from extproc.serve.app import Server
 from extproc.settings import PrefixSettings, ServeSettings, SourceSettings, TokenizerSpec
 from extproc.sim.engine_core import EngineParams
-from extproc.sim.kv_publisher import KVEventSettings
 from extproc.sim.kv_wire import EventEncoding
 from extproc.sim.server import SimServer
-from extproc.sim.settings import SimSettings
+from extproc.sim.settings import KVEventSettings, SimSettings
 from extproc.tokenize.registry import SHIPPED_TOKENIZER
 from extproc.tokenize.shipped import shipped_tokenizer
 from extproc.types import EndpointAddress, EngineKind

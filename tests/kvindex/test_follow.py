@@ -28,7 +28,8 @@ from extproc.kvindex.keys import block_keys, namespace_seed
 from extproc.kvindex.subscriber import SubscriberOptions
 from extproc.kvindex.subscriptions import KVSubscriptions, SubscriptionTarget
 from extproc.sim.kv_events import BlockRemoved, BlockStored
-from extproc.sim.kv_publisher import KVEventPublisher, KVEventSettings
+from extproc.sim.kv_publisher import KVEventPublisher
+from extproc.sim.settings import KVEventSettings
 from extproc.types import EndpointAddress
 
 MODEL = "llama"

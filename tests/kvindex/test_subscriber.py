@@ -25,8 +25,9 @@ from extproc.kvindex.subscriber import (
 )
 from extproc.kvindex.subscriptions import KVSubscriptions, SubscriptionTarget, rank_targets
 from extproc.sim.kv_events import BlockStored, KVEvent
-from extproc.sim.kv_publisher import KVEventPublisher, KVEventSettings, PublisherFaults
+from extproc.sim.kv_publisher import KVEventPublisher
 from extproc.sim.kv_wire import encode_batch
+from extproc.sim.settings import KVEventSettings, PublisherFaults
 from extproc.types import EndpointAddress
 
 SOURCE = Source(EndpointAddress("10.0.0.5:8000"), 0)

@@ -12,9 +12,8 @@ import pytest
 from simulated import StartSim, idle
 from waiting import eventually
 
-from extproc.sim.kv_publisher import KVEventSettings
 from extproc.sim.server import SimServer
-from extproc.sim.settings import LoraModule
+from extproc.sim.settings import KVEventSettings, LoraModule
 from extproc.tokenize import shipped_chat_template, shipped_tokenizer
 
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"

@@ -23,9 +23,9 @@ from extproc.sim.cpu_tier import MEDIUM_CPU, CpuTier
 from extproc.sim.engine_core import EngineCore, EngineParams, SimRequest
 from extproc.sim.engine_loop import EngineLoop
 from extproc.sim.kv_events import BlockRemoved, BlockStored, KVEvent
-from extproc.sim.kv_publisher import KVEventSettings
 from extproc.sim.kv_wire import EventEncoding, HashFormat
 from extproc.sim.server import SimServer
+from extproc.sim.settings import KVEventSettings
 from extproc.types import EndpointAddress
 
 from .kv_subscriber import decode_batch

@@ -14,8 +14,9 @@ import zmq.asyncio
 
 from extproc.errors import ConfigError
 from extproc.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from extproc.sim.kv_publisher import END_SEQ, KVEventPublisher, KVEventSettings, PublisherFaults
+from extproc.sim.kv_publisher import END_SEQ, KVEventPublisher
 from extproc.sim.kv_wire import encode_batch
+from extproc.sim.settings import KVEventSettings, PublisherFaults
 
 from .kv_subscriber import KVSubscriber, ReconstructedCache, hash_to_int
 

@@ -14,9 +14,8 @@ from processes import run_extproc
 
 from extproc.errors import ConfigError
 from extproc.sim.fleet import SimFleet, check_port_layout, replica_settings
-from extproc.sim.kv_publisher import KVEventSettings
 from extproc.sim.run import add_sim_parser, sim_settings
-from extproc.sim.settings import SimSettings
+from extproc.sim.settings import KVEventSettings, SimSettings
 
 
 @pytest.mark.parametrize(

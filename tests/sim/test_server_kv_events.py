@@ -16,10 +16,9 @@ import pytest
 from simulated import StartSim, idle
 from waiting import eventually
 
-from extproc.sim.kv_publisher import KVEventSettings
 from extproc.sim.kv_wire import EventEncoding, HashFormat
 from extproc.sim.server import SimServer
-from extproc.sim.settings import LoraModule
+from extproc.sim.settings import KVEventSettings, LoraModule
 
 from .kv_subscriber import KVSubscriber, ReconstructedCache
 

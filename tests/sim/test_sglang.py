@@ -14,11 +14,10 @@ from simulated import StartSim
 from extproc.cli import build_parser
 from extproc.engines.metrics_page import parse_signals
 from extproc.errors import ConfigError
-from extproc.sim.kv_publisher import KVEventSettings
 from extproc.sim.kv_wire import EventEncoding
 from extproc.sim.run import sim_settings
 from extproc.sim.server import SimServer
-from extproc.sim.settings import LoraModule
+from extproc.sim.settings import KVEventSettings, LoraModule
 from extproc.tokenize import shipped_chat_template, shipped_tokenizer
 
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
