@@ -190,7 +190,7 @@ def main() -> int:
     if not args.trace.is_file():
         p.error(f"no trace at {args.trace}: pass --trace PATH (a Mooncake-format .jsonl)")
     rows = load(args.trace, requests=args.requests)
-    engine = {"block_size": 16, "num_gpu_blocks": 24_000, "max_model_len": 131_072}
+    engine: dict[str, Any] = {"block_size": 16, "num_gpu_blocks": 24_000, "max_model_len": 131_072}
     cfg = Config(8, 1.0, 512, engine, seed=TRUTH_SEEDS[0])
     vocab = shipped_tokenizer().vocab_size
     truth = true_profile(EngineParams(**engine))
@@ -207,7 +207,7 @@ def main() -> int:
             label = f"{name}, {'calibrated' if calibrate else 'as written'}"
             logging.warning("arm %s", label)
             arms.append(play(label, wrong, calibrate, rows, cfg, vocab) | {"truth": False})
-    results = {
+    results: dict[str, Any] = {
         "machine": machine(),
         "config": {
             "requests": len(rows),

@@ -158,7 +158,7 @@ def report(results: dict[str, Any]) -> str:
             return f"{m[kind]['hit_rate']:.2%} / {m[kind]['ttft_mean_s']:.3f} s ({m[kind]['rounds']} rounds)"
 
         ratios = f"{v['hit_ratio']:.3f}, {v['ttft_ratio']:.3f}" if "hit_ratio" in v else "-"
-        within = {True: "yes", False: "**no**"}.get(v.get("within"), "-")  # type: ignore[call-overload]
+        within = {True: "yes", False: "**no**"}.get(v.get("within"), "-")
         lines.append(f"| {policy} | {cell('vllm')} | {cell('sglang')} | {ratios} | {within} |")
     return "\n".join(lines) + "\n"
 

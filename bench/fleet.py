@@ -123,7 +123,10 @@ class KvPlan:
 def kv_events(endpoint: str, number: int, plan: KvPlan) -> list[KVEvent]:
     """An engine's announcements: random blocks, and the chat prompt's for one endpoint in ten."""
     rng = random.Random(endpoint)
-    digest = lambda i: hashlib.blake2b(f"{endpoint}/{i}".encode(), digest_size=16).digest()  # noqa: E731
+
+    def digest(i: object) -> bytes:
+        return hashlib.blake2b(f"{endpoint}/{i}".encode(), digest_size=16).digest()
+
     tokens = tuple(rng.randrange(100_000) for _ in range(plan.blocks_per_engine * BLOCK_SIZE))
     hashes = tuple(digest(i) for i in range(plan.blocks_per_engine))
     events: list[KVEvent] = [BlockStored(hashes, None, tokens, BLOCK_SIZE, None, None)]
@@ -316,7 +319,7 @@ async def one_pool(
         expected = size * idle_s  # one scrape per endpoint per second (the default interval)
         messages = request_messages(chat_body(MODEL))
         async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-            stub = ep_grpc.ExternalProcessorStub(channel)
+            stub = ep_grpc.ExternalProcessorStub(channel)  # type: ignore[no-untyped-call]
             load = await closed_loop(
                 lambda: one_stream(stub, messages),
                 concurrency=args.concurrency,

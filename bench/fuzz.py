@@ -191,7 +191,7 @@ async def fuzz_grpc(
         async def worker() -> None:
             for _ in pending:
                 messages = adversarial_stream(rng, bodies)
-                call = call_of(timeout=10)
+                call = call_of(None, timeout=10)
                 try:
                     with contextlib.suppress(asyncio.InvalidStateError):
                         # serve may end a stream once its answer said all (Envoy stops there too)
@@ -298,7 +298,7 @@ async def measure(streams: int, http: int, seed: int) -> dict[str, Any]:
                 admin_port=free_port(),
                 extproc_address=("127.0.0.1", grpc_port),
                 pool_endpoints=[("127.0.0.1", b.port) for b in backends],
-                body_mode=mode,  # type: ignore[arg-type]
+                body_mode=mode,
             )
             async with EnvoyProcess(config):
                 results["http"][mode] = dict(

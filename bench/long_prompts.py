@@ -613,7 +613,7 @@ async def measure_variant(
         # pooled: the machine's speed drifts by 20% within seconds here, and one block of each in
         # turn would put that drift in the ratio.
         kinds: dict[str, Callable[[], Awaitable[Exchange]]] = {
-            kind: (lambda body_of=body_of: send_timed(body_of())) for kind, body_of in bodies_of.items()
+            kind: _later(send_timed, body_of) for kind, body_of in bodies_of.items()
         }
         # Per kind, seconds to the routing answer and of the whole stream.
         pooled: dict[str, list[float]] = {kind: [] for kind in kinds}
@@ -827,7 +827,7 @@ def report(results: dict[str, Any]) -> str:
         )
         cells = [f"{results['variants'][n]['ratios'][key]:.2f}" for n in names]
         lines.append(f"| {label} | {target} | " + " | ".join(cells) + " |")
-    raw = [
+    raw: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         (
             "small decisions/s: before 8k / between / after 32k",
             lambda v: " / ".join(f"{x:.0f}" for x in v["small"]["runs_per_s"]),
@@ -1014,9 +1014,16 @@ def stall_cell(stall: dict[str, Any]) -> str:
 MAX_SMALL_SPREAD = 0.25
 
 
+def _later(
+    send: Callable[[bytes], Awaitable[Exchange]], body_of: Callable[[], bytes]
+) -> Callable[[], Awaitable[Exchange]]:
+    """A send whose body is built when it is made, not before."""
+    return lambda: send(body_of())
+
+
 def unsteady_small(variant: dict[str, Any]) -> bool:
     runs = variant["small"]["runs_per_s"]
-    return (max(runs) - min(runs)) > MAX_SMALL_SPREAD * statistics.fmean(runs)
+    return bool((max(runs) - min(runs)) > MAX_SMALL_SPREAD * statistics.fmean(runs))
 
 
 def main() -> None:

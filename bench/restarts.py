@@ -326,7 +326,7 @@ async def measure() -> dict[str, Any]:
         for mode in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
             for variant in ("shipped", "fail-open", "before"):
                 for kill_after in KILL_AFTER_CHUNKS:
-                    row = await kill_mid_response(mode, variant, workdir, kill_after=kill_after)  # type: ignore[arg-type]
+                    row = await kill_mid_response(mode, variant, workdir, kill_after=kill_after)
                     print(json.dumps(row), file=sys.stderr)
                     results["kill"].append(row)
         for mode in ("FULL_DUPLEX_STREAMED", "BUFFERED"):

@@ -54,7 +54,7 @@ async def load(port: int, pid: int) -> dict[str, Any]:
         busy = (machine_busy_seconds() - busy0) / elapsed
     finally:
         for channel in channels:
-            await channel.close()
+            await channel.close(None)
     decided = result["completed"] * elapsed / result["seconds"]  # the warm-up's calls too, for CPU
     return {
         "decisions_per_s": round(result["per_s"], 1),

@@ -83,7 +83,7 @@ async def burst(port: int, streams: int) -> dict[str, Any]:
     body = chat_body(MODEL)
     outcomes: collections.Counter[str] = collections.Counter()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = ep_grpc.ExternalProcessorStub(channel)
+        stub = ep_grpc.ExternalProcessorStub(channel)  # type: ignore[no-untyped-call]
         await one_stream(stub, request_messages(body))  # connected and warm
 
         async def one() -> None:

@@ -39,7 +39,7 @@ from machine import machine, provenance, record
 from extproc.demo.catalog import LocalWorkerSet, catalog_documents
 from extproc.serve.app import Server
 from extproc.settings import ServeSettings, SourceSettings
-from extproc.sources.file import compile_documents
+from extproc.sources.file import FileSource, compile_documents
 
 HERE = Path(__file__).resolve().parents[1]  # bench/: results/ and the harness are there
 #: Seconds the loop keeps being watched after the file was judged.
@@ -154,19 +154,21 @@ async def measure(services: int) -> dict[str, Any]:
         "cases": [],
     }
     async with Server(settings) as server:
+        source = server.source
+        assert isinstance(source, FileSource)
         probe = LagProbe()
         probe.start()
         garbage = asyncio.create_task(make_garbage(GARBAGE_PER_S))
         for name, content, before in cases:
             await asyncio.to_thread(_replace, path, before)
             await _settle(server, expected_sets=len(big_sets) if before is big else len(base_sets))
-            generation, errors = server.store.generation, server.source.reloads_failed
+            generation, errors = server.store.generation, source.reloads_failed
             rss_before = rss_mb()
             probe.reset()
             started = time.monotonic()
             # Written from a worker thread: the harness's own 15 MB write must not count as lag.
             await asyncio.to_thread(_replace, path, content)
-            while server.store.generation == generation and server.source.reloads_failed == errors:
+            while server.store.generation == generation and source.reloads_failed == errors:
                 if time.monotonic() - started > 300:
                     break
                 await asyncio.sleep(0.01)

@@ -38,6 +38,7 @@ from machine import machine, provenance, record
 
 from extproc.serve.app import Server
 from extproc.settings import PrefixSettings, ServeSettings, SourceSettings, TokenizerSpec
+from extproc.sources.file import FileSource
 
 HERE = Path(__file__).resolve().parents[1]  # bench/: results/ and the harness are there
 sys.path.insert(0, str(HERE.parent / "scripts"))
@@ -56,7 +57,9 @@ async def run() -> dict[str, Any]:
         prefix = PrefixSettings(tokenizers=(TokenizerSpec(MODEL, str(tokenizer)),))
         path = catalog(Path(tmp), 8, precise=True)
         server = Server(ServeSettings(source=SourceSettings.parse(f"file:{path}"), seed=1, prefix=prefix))
-        server.store.publish(server.source.load())
+        source = server.source
+        assert isinstance(source, FileSource)
+        server.store.publish(source.load())
         pool = server.prefix.tokenize_pool
         assert pool is not None
         pool.workers.start()

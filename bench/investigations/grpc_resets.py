@@ -81,10 +81,10 @@ async def measure(way: str, streams: int) -> dict[str, Any]:
     try:
         port = int(await child.stdout.readline())
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            open_stream = channel.stream_stream(METHODS[way])
+            open_stream = channel.stream_stream(METHODS[way], None, None)
 
             async def one() -> None:
-                call = open_stream()
+                call = open_stream(None)
                 await call.write(b"x")
                 await call.read()
                 if way != "closed":

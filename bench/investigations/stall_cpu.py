@@ -36,7 +36,9 @@ import grpc
 import tokenizers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench harness
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # fetch_tokenizers
 
+from fetch_tokenizers import ensure
 from grpc_load import chat_body, closed_loop, one_stream, request_messages
 from long_prompts import (
     CHANNEL_OPTIONS,
@@ -47,7 +49,6 @@ from long_prompts import (
     Profiler,
     Texts,
     cold_body,
-    ensure,
     gc_summary,
     lag_summary,
     learned,

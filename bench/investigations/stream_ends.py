@@ -87,7 +87,7 @@ ARMS = {
 }
 
 
-def _handlers(process: Any) -> grpc.GenericRpcHandler:
+def _handlers(process: Any) -> grpc.GenericRpcHandler[Any, Any]:
     handler = grpc.stream_stream_rpc_method_handler(
         process, request_deserializer=ep.ProcessingRequest.FromString, response_serializer=_serialize
     )
@@ -148,7 +148,8 @@ def serve_sync(backend: str) -> None:
 
 
 async def measure(arm: str, requests: int, rounds: int, response_ms: float) -> dict[str, Any]:
-    from stack import free_port, is_accounting_filter, keep_http_filters
+    from ports import free_port
+    from stack import is_accounting_filter, keep_http_filters
 
     filter_kind, servicer, _ = ARMS[arm]
     app = web.Application()
