@@ -1017,7 +1017,7 @@ MAX_SMALL_SPREAD = 0.25
 def _later(
     send: Callable[[bytes], Awaitable[Exchange]], body_of: Callable[[], bytes]
 ) -> Callable[[], Awaitable[Exchange]]:
-    """A send whose body is built when it is made, not before."""
+    """A send that builds its body when it runs (each time), not when it is made."""
     return lambda: send(body_of())
 
 

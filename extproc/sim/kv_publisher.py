@@ -94,7 +94,7 @@ class KVEventPublisher:
         self._closed = False
         self._seq = itertools.count()
         self._next_seq = 0
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=settings.buffer_steps)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=self._buffer_steps)
         self._held: asyncio.Queue[_Held] = asyncio.Queue()
         self._holding: _Held | None = None  # the held batch the drainer is waiting on
         self._drainer: asyncio.Task[None] | None = None
