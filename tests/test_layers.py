@@ -21,10 +21,10 @@ ROOT = REPO / "extproc"
 BENCH = REPO / "bench"
 
 #: Modules at the package root that everything may use: identifiers, host:port strings, errors,
-#: settings, the request type, logging/metrics helpers, task, HTTP and watched-file helpers, the
-#: admin HTTP surface.
+#: settings and the flags that set them, the request type, logging/metrics helpers, task, HTTP and
+#: watched-file helpers, the admin HTTP surface.
 CORE = frozenset(
-    {"types", "addresses", "errors", "tasks", "settings", "openai", "telemetry", "fetch", "files", "admin"}
+    {"types", "addresses", "errors", "tasks", "settings", "flags", "openai", "telemetry", "fetch", "files", "admin"}
 )
 
 #: Package -> the packages it may import (besides itself and CORE).

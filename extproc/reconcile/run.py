@@ -13,15 +13,12 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 
+from extproc.flags import setting_flag
 from extproc.settings import ReconcileSettings, parse_namespaces
-
-#: Where the flags take their defaults from (the identity has none: see reconcile_settings).
-_DEFAULTS = ReconcileSettings(identity="-")
 
 
 def add_reconcile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``extproc reconcile`` to the CLI; :func:`run_reconcile` is its handler."""
-    d = _DEFAULTS
     p = sub.add_parser(
         "reconcile",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -36,51 +33,22 @@ def add_reconcile_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument(
         "--namespaces", default="", help="comma-separated namespaces to reconcile (default: all namespaces)"
     )
-    p.add_argument("--serve-admin", default=d.serve_admin, help="serve's admin URL")
-    p.add_argument(
-        "--serve-poll-interval",
-        type=float,
-        default=d.serve_poll_interval,
-        help="seconds between reads of serve",
-    )
-    p.add_argument(
-        "--serve-timeout",
-        type=float,
-        default=d.serve_timeout,
-        help="seconds one read of serve may take",
-    )
-    p.add_argument("--lease-name", default=d.lease_name, help="Lease name")
+    s = ReconcileSettings
+    setting_flag(p, "--serve-admin", s, "serve_admin", "serve's admin URL")
+    setting_flag(p, "--serve-poll-interval", s, "serve_poll_interval", "seconds between reads of serve")
+    setting_flag(p, "--serve-timeout", s, "serve_timeout", "seconds one read of serve may take")
+    setting_flag(p, "--lease-name", s, "lease_name", "Lease name")
     p.add_argument(
         "--lease-namespace", default=None, help="Lease namespace (default: $POD_NAMESPACE, else default)"
     )
-    p.add_argument(
-        "--lease-duration",
-        type=float,
-        default=d.lease_duration,
-        help="seconds a lease lasts unrenewed",
-    )
-    p.add_argument(
-        "--lease-renew-interval",
-        type=float,
-        default=d.renew_interval,
-        help="seconds between renewals",
-    )
-    p.add_argument(
-        "--lease-retry-interval",
-        type=float,
-        default=d.retry_interval,
-        help="seconds between tries to lead",
-    )
+    setting_flag(p, "--lease-duration", s, "lease_duration", "seconds a lease lasts unrenewed")
+    setting_flag(p, "--lease-renew-interval", s, "renew_interval", "seconds between renewals")
+    setting_flag(p, "--lease-retry-interval", s, "retry_interval", "seconds between tries to lead")
     p.add_argument(
         "--identity", default=None, help="this replica in the Lease (default: $POD_NAME, else hostname)"
     )
-    p.add_argument("--admin-listen", default=d.admin_listen, help="/healthz, /metrics, /debug/state")
-    p.add_argument(
-        "--resync-interval",
-        type=float,
-        default=d.resync_interval,
-        help="seconds between full passes",
-    )
+    setting_flag(p, "--admin-listen", s, "admin_listen", "/healthz, /metrics, /debug/state")
+    setting_flag(p, "--resync-interval", s, "resync_interval", "seconds between full passes")
     p.set_defaults(handler=run_reconcile)
 
 

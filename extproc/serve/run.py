@@ -1,19 +1,18 @@
 """``extproc serve``: flags -> :class:`~extproc.settings.ServeSettings` -> the server, or
 ``--workers`` copies of it.
 
-Each flag takes its default from the settings dataclass, so a default is stated once (``--help`` and
-``docs/flags.md`` show it from there).
+A flag that sets a settings field is declared with :func:`~extproc.flags.setting_flag`, so its
+default and type are the field's (``--help`` and ``docs/flags.md`` show them from there).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 from pathlib import Path
-from typing import Any
 
 from extproc.errors import ConfigError
+from extproc.flags import setting_flag
 from extproc.scheduling.registry import DEFAULT_POLICY, POLICIES
 from extproc.settings import (
     CandidateSettings,
@@ -23,25 +22,6 @@ from extproc.settings import (
     SourceSettings,
     TokenizerSpec,
 )
-
-
-def _field_defaults(settings: type[Any]) -> dict[str, Any]:
-    """A settings dataclass's field defaults: flags take their defaults from the settings, so each
-    default is stated once (``--help`` and ``docs/flags.md`` show it from there)."""
-    defaults: dict[str, Any] = {}
-    for f in dataclasses.fields(settings):
-        if f.default is not dataclasses.MISSING:
-            defaults[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            defaults[f.name] = f.default_factory()
-    return defaults
-
-
-_SERVE = _field_defaults(ServeSettings)
-_PREFIX = _field_defaults(PrefixSettings)
-_SOURCE = _field_defaults(SourceSettings)
-_CANDIDATES = _field_defaults(CandidateSettings)
-_FLOW = _field_defaults(FlowSettings)
 
 
 def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -57,17 +37,19 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="where worker sets come from: file:PATH (multi-document YAML), or kube (the cluster's "
         "InferenceWorkerSets, Services and EndpointSlices, watched)",
     )
-    p.add_argument(
+    setting_flag(
+        p,
         "--source-poll-interval",
-        type=float,
-        default=_SOURCE["poll_interval"],
-        help="file: seconds between checks of the catalog file",
+        SourceSettings,
+        "poll_interval",
+        "file: seconds between checks of the catalog file",
     )
-    p.add_argument(
+    setting_flag(
+        p,
         "--max-catalog-bytes",
-        type=int,
-        default=_SOURCE["max_bytes"],
-        help="file: largest catalog file read; a larger one is refused and the last good catalog kept",
+        SourceSettings,
+        "max_bytes",
+        "file: largest catalog file read; a larger one is refused and the last good catalog kept",
     )
     p.add_argument(
         "--namespaces",
@@ -88,38 +70,37 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="--source kube: also be the endpoint picker of this InferencePool (its Ready pods, models "
         "discovered from them; docs/inferencepool.md)",
     )
-    p.add_argument(
-        "--pool-namespace",
-        default=_SOURCE["pool_namespace"],
-        help="the namespace of --pool-name",
-    )
-    p.add_argument("--listen", default=_SERVE["listen"], help="gRPC ext_proc + health address")
-    p.add_argument(
+    setting_flag(p, "--pool-namespace", SourceSettings, "pool_namespace", "the namespace of --pool-name")
+    setting_flag(p, "--listen", ServeSettings, "listen", "gRPC ext_proc + health address")
+    setting_flag(
+        p,
         "--admin-listen",
-        default=_SERVE["admin_listen"],
-        help="/metrics, /healthz, /readyz; /debug/ pages answer loopback clients only",
+        ServeSettings,
+        "admin_listen",
+        "/metrics, /healthz, /readyz; /debug/ pages answer loopback clients only",
     )
-    p.add_argument(
-        "--max-body-bytes", type=int, default=_SERVE["max_body_bytes"], help="larger bodies get 413"
-    )
-    p.add_argument(
+    setting_flag(p, "--max-body-bytes", ServeSettings, "max_body_bytes", "larger bodies get 413")
+    setting_flag(
+        p,
         "--max-buffered-bytes",
-        type=int,
-        default=_SERVE["max_buffered_bytes"],
-        help="request-body bytes all streams may hold at once; past it, 429",
+        ServeSettings,
+        "max_buffered_bytes",
+        "request-body bytes all streams may hold at once; past it, 429",
     )
-    p.add_argument(
+    setting_flag(
+        p,
         "--max-fallbacks",
-        type=int,
-        default=_SERVE["max_fallbacks"],
-        help="fallback endpoints after the pick (0: works with every cluster type); 2 behind override_host "
+        ServeSettings,
+        "max_fallbacks",
+        "fallback endpoints after the pick (0: works with every cluster type); 2 behind override_host "
         "makes retries follow the ranking",
     )
-    p.add_argument(
+    setting_flag(
+        p,
         "--drain-seconds",
-        type=float,
-        default=_SERVE["drain_seconds"],
-        help="on SIGTERM, health turns NOT_SERVING but new streams are served this long; then open "
+        ServeSettings,
+        "drain_seconds",
+        "on SIGTERM, health turns NOT_SERVING but new streams are served this long; then open "
         "streams get as long again to finish (a second signal exits at once)",
     )
     p.add_argument("--seed", type=int, default=None, help="seed tie-breaking randomness (for tests)")
@@ -135,24 +116,28 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=None,
         help="latency profiles (YAML, re-read when it changes) for --policy predicted-ttft",
     )
-    p.add_argument(
+    setting_flag(
+        p,
         "--calibrate",
-        action=argparse.BooleanOptionalAction,
-        default=_SERVE["calibrate"],
-        help="fit each worker set's prefill rate and step cost to its engines' reported TTFTs "
+        ServeSettings,
+        "calibrate",
+        "fit each worker set's prefill rate and step cost to its engines' reported TTFTs "
         "(needs --scrape-interval > 0)",
+        action=argparse.BooleanOptionalAction,
     )
-    p.add_argument(
+    setting_flag(
+        p,
         "--malloc-trim-interval",
-        type=float,
-        default=_SERVE["malloc_trim_interval"],
-        help="seconds between malloc_trim calls giving freed heap pages back to the system; 0 = never",
+        ServeSettings,
+        "malloc_trim_interval",
+        "seconds between malloc_trim calls giving freed heap pages back to the system; 0 = never",
     )
-    p.add_argument(
+    setting_flag(
+        p,
         "--scrape-interval",
-        type=float,
-        default=_SERVE["scrape_interval"],
-        help="seconds between scrapes of each endpoint's /metrics (vLLM or SGLang names); 0 = off",
+        ServeSettings,
+        "scrape_interval",
+        "seconds between scrapes of each endpoint's /metrics (vLLM or SGLang names); 0 = off",
     )
     p.add_argument(
         "--decision-headers",
@@ -164,23 +149,22 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "a pool larger than the three counts together scores only these endpoints per request "
         "(docs/performance.md#large-pools)",
     )
-    c.add_argument(
+    setting_flag(
+        c,
         "--candidates-prefix",
-        type=int,
-        default=_CANDIDATES["prefix_holders"],
-        help="the endpoints holding the longest cached prefix of the prompt",
+        CandidateSettings,
+        "prefix_holders",
+        "the endpoints holding the longest cached prefix of the prompt",
     )
-    c.add_argument(
+    setting_flag(
+        c,
         "--candidates-least-loaded",
-        type=int,
-        default=_CANDIDATES["least_loaded"],
-        help="the least-loaded endpoints (requests in flight, the engine's queue at its last scrape)",
+        CandidateSettings,
+        "least_loaded",
+        "the least-loaded endpoints (requests in flight, the engine's queue at its last scrape)",
     )
-    c.add_argument(
-        "--candidates-random",
-        type=int,
-        default=_CANDIDATES["random"],
-        help="endpoints drawn at random, so none starves",
+    setting_flag(
+        c, "--candidates-random", CandidateSettings, "random", "endpoints drawn at random, so none starves"
     )
     c.add_argument("--score-all-endpoints", action="store_true", help="score every endpoint of every pool")
     r = p.add_argument_group(
@@ -200,11 +184,12 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         metavar="HOST:PORT[,HOST:PORT...]",
         help="the other replicas' --peer-listen addresses; only these are heard",
     )
-    r.add_argument(
+    setting_flag(
+        r,
         "--workers",
-        type=int,
-        default=_SERVE["workers"],
-        help="processes serving the same --listen port (the kernel spreads Envoy's connections), "
+        ServeSettings,
+        "workers",
+        "processes serving the same --listen port (the kernel spreads Envoy's connections), "
         "peered with each other, so one pod uses N cores; worker i answers admin on the admin port + i "
         "and, with --peer-listen HOST:PORT, publishes on PORT + i",
     )
@@ -227,17 +212,19 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "requests that find every endpoint of their pool saturated (the profile's queue_limit / "
         "kv_cache_limit) wait, by priority and fairly (docs/flow-control.md)",
     )
-    q.add_argument(
+    setting_flag(
+        q,
         "--max-queue",
-        type=int,
-        default=_FLOW["max_queue"],
-        help="requests that may wait per pool; 0: none, a saturated pool answers 429 at once",
+        FlowSettings,
+        "max_queue",
+        "requests that may wait per pool; 0: none, a saturated pool answers 429 at once",
     )
-    q.add_argument(
+    setting_flag(
+        q,
         "--queue-timeout",
-        type=float,
-        default=_FLOW["queue_timeout"],
-        help="seconds a request may wait for room before it gets 429 with Retry-After",
+        FlowSettings,
+        "queue_timeout",
+        "seconds a request may wait for room before it gets 429 with Retry-After",
     )
     g = p.add_argument_group("prefix-cache-aware routing")
     g.add_argument(
@@ -256,63 +243,76 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="chat template of a model: a .jinja file, or chatml / llama3 (default: the tokenizer's)",
     )
     g.add_argument("--hf-cache", type=Path, default=None, help="Hugging Face hub cache for --tokenizer ids")
-    g.add_argument(
+    setting_flag(
+        g,
         "--kv-index-memory-mib",
-        type=int,
-        default=_PREFIX["index_memory_mib"],
-        help="memory the KV-event index may hold, MiB: its block bound at 40 bytes a block",
+        PrefixSettings,
+        "index_memory_mib",
+        "memory the KV-event index may hold, MiB: its block bound at 40 bytes a block",
     )
-    g.add_argument(
+    setting_flag(
+        g,
         "--kv-index-max-blocks",
-        type=int,
-        default=_PREFIX["index_max_blocks"],
-        help="KV-event index size in blocks, all endpoints, least recently stored out "
+        PrefixSettings,
+        "index_max_blocks",
+        "KV-event index size in blocks, all endpoints, least recently stored out "
         "(default: from --kv-index-memory-mib)",
+        type=int,
     )
-    g.add_argument(
+    setting_flag(
+        g,
         "--kv-index-max-blocks-per-endpoint",
-        type=int,
-        default=_PREFIX["index_max_blocks_per_endpoint"],
-        help="... per endpoint",
+        PrefixSettings,
+        "index_max_blocks_per_endpoint",
+        "... per endpoint",
     )
-    g.add_argument(
+    setting_flag(
+        g,
         "--approx-prefix-max-blocks",
-        type=int,
-        default=_PREFIX["approx_max_blocks"],
-        help="prompt chunks remembered, at most, for models routed without tokenizer or KV events; each "
+        PrefixSettings,
+        "approx_max_blocks",
+        "prompt chunks remembered, at most, for models routed without tokenizer or KV events; each "
         "is kept at least until half that many others are recorded after it",
     )
-    g.add_argument(
+    setting_flag(
+        g,
         "--tokenize-threads",
+        PrefixSettings,
+        "tokenize_threads",
+        "threads tokenizing prompts off the event loop (none given: one per core; 0: on the loop)",
         type=int,
-        default=_PREFIX["tokenize_threads"],
-        help="threads tokenizing prompts off the event loop (none given: one per core; 0: on the loop)",
     )
-    g.add_argument(
+    setting_flag(
+        g,
         "--tokenize-processes",
-        type=int,
-        default=_PREFIX["tokenize_processes"],
-        help="tokenize long prompts in this many processes of their own instead of threads: parsing "
+        PrefixSettings,
+        "tokenize_processes",
+        "tokenize long prompts in this many processes of their own instead of threads: parsing "
         "and template rendering then never hold the event loop's GIL, at ~100 MB of memory each",
     )
-    g.add_argument(
+    setting_flag(
+        g,
         "--tokenize-queue",
-        type=int,
-        default=_PREFIX["tokenize_queue"],
-        help="prompts tokenized or waiting at once; past it a request is routed without tokens",
+        PrefixSettings,
+        "tokenize_queue",
+        "prompts tokenized or waiting at once; past it a request is routed without tokens",
     )
-    g.add_argument(
+    setting_flag(
+        g,
         "--tokenize-cache-mb",
-        type=float,
-        default=_PREFIX["tokenize_cache_bytes"] / (1024 * 1024),
-        help="MiB of prompt pieces' token ids remembered per model, so a conversation's next turn "
+        PrefixSettings,
+        "tokenize_cache_bytes",
+        "MiB of prompt pieces' token ids remembered per model, so a conversation's next turn "
         "encodes only what is new (0: off)",
+        scale=1 / (1024 * 1024),
     )
-    g.add_argument(
+    setting_flag(
+        g,
         "--tokenize-budget-ms",
-        type=float,
-        default=_PREFIX["tokenize_budget"] * 1000,
-        help="longest a request waits for its prompt's tokens before it is routed without them",
+        PrefixSettings,
+        "tokenize_budget",
+        "longest a request waits for its prompt's tokens before it is routed without them",
+        scale=1000,
     )
     p.set_defaults(handler=run_serve)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.errors import ConfigError
+from extproc.flags import field_default, setting_flag
 from extproc.sim.block_hash import HASH_ALGOS
 from extproc.sim.engine_core import EngineParams
 from extproc.sim.fleet import SimFleet
@@ -21,15 +22,11 @@ from extproc.sim.kv_wire import EventEncoding, HashFormat
 from extproc.sim.settings import KVEventSettings, LoraModule, PublisherFaults, SimSettings
 from extproc.types import ENGINE_KINDS
 
-_ENGINE_DEFAULTS = EngineParams()
-_DEFAULTS = SimSettings()
-_KV_DEFAULTS = KVEventSettings(port=0)
-_KV_DELAY_MS = _KV_DEFAULTS.faults.delay_seconds * 1000
+_CPU_LOAD_DEFAULT = field_default(EngineParams, "cpu_load_tokens_per_s")
 
 
 def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``extproc sim`` to the CLI; :func:`run_sim` is its handler."""
-    d = _ENGINE_DEFAULTS
     p = sub.add_parser(
         "sim",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -39,15 +36,17 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "latency model. Defaults resemble an 8B model on one H100 (see extproc/sim/README.md).",
     )
     g = p.add_argument_group("serving")
-    g.add_argument(
+    setting_flag(
+        g,
         "--engine",
+        SimSettings,
+        "engine_kind",
+        "whose surface to show: routes, metric names, KV-event encoding",
         choices=list(ENGINE_KINDS),
-        default=_DEFAULTS.engine_kind,
-        help="whose surface to show: routes, metric names, KV-event encoding",
     )
-    g.add_argument("--listen", default=_DEFAULTS.listen, help="HTTP address; port 0 = any")
+    setting_flag(g, "--listen", SimSettings, "listen", "HTTP address; port 0 = any")
     g.add_argument("--replicas", type=int, default=1, help="engines to start, on consecutive ports")
-    g.add_argument("--model", default=_DEFAULTS.model, help="model path or id, /v1/models root")
+    setting_flag(g, "--model", SimSettings, "model", "model path or id, /v1/models root")
     g.add_argument("--served-model-name", nargs="+", default=[], help="names clients use (default: --model)")
     g.add_argument(
         "--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="LoRA adapters to serve"
@@ -60,18 +59,21 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         default=None,
         help="template file, or a shipped one: chatml, llama3 (default: the tokenizer's, else llama3)",
     )
-    g.add_argument(
+    setting_flag(
+        g,
         "--tokenize-cache-mb",
-        type=float,
-        default=_DEFAULTS.tokenize_cache_bytes / (1024 * 1024),
-        help="remember this many MiB of prompt pieces, so a repeated prefix is encoded once (same ids; "
+        SimSettings,
+        "tokenize_cache_bytes",
+        "remember this many MiB of prompt pieces, so a repeated prefix is encoded once (same ids; "
         "saves a load harness's CPU); 0 encodes every prompt whole, as vLLM does",
+        scale=1 / (1024 * 1024),
     )
-    g.add_argument(
+    setting_flag(
+        g,
         "--default-output-tokens",
-        type=int,
-        default=_DEFAULTS.default_output_tokens,
-        help="tokens generated for a chat request without max_tokens",
+        SimSettings,
+        "default_output_tokens",
+        "tokens generated for a chat request without max_tokens",
     )
     g.add_argument(
         "--enable-prompt-tokens-details",
@@ -79,66 +81,41 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         help="report usage.prompt_tokens_details.cached_tokens",
     )
     g = p.add_argument_group("engine model")
-    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    g.add_argument(
-        "--num-gpu-blocks-override",
-        type=int,
-        default=d.num_gpu_blocks,
-        help="KV blocks per rank",
+    e = EngineParams
+    setting_flag(g, "--block-size", e, "block_size", "tokens per KV block")
+    setting_flag(g, "--num-gpu-blocks-override", e, "num_gpu_blocks", "KV blocks per rank")
+    setting_flag(g, "--max-num-seqs", e, "max_num_seqs", "running batch cap")
+    setting_flag(g, "--max-num-batched-tokens", e, "max_num_batched_tokens", "token budget per step")
+    setting_flag(g, "--max-model-len", e, "max_model_len", "context window")
+    setting_flag(g, "--prefill-tokens-per-s", e, "prefill_tokens_per_s", "prefill throughput")
+    setting_flag(g, "--decode-base-ms", e, "decode_base_s", "fixed cost of one engine step", scale=1000)
+    setting_flag(
+        g, "--decode-per-seq-ms", e, "decode_per_seq_s", "extra step time per running sequence", scale=1000
     )
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running batch cap")
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=d.max_num_batched_tokens,
-        help="token budget per step",
-    )
-    g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="context window")
-    g.add_argument(
-        "--prefill-tokens-per-s",
-        type=float,
-        default=d.prefill_tokens_per_s,
-        help="prefill throughput",
-    )
-    g.add_argument(
-        "--decode-base-ms",
-        type=float,
-        default=d.decode_base_s * 1000,
-        help="fixed cost of one engine step",
-    )
-    g.add_argument(
-        "--decode-per-seq-ms",
-        type=float,
-        default=d.decode_per_seq_s * 1000,
-        help="extra step time per running sequence",
-    )
-    g.add_argument(
+    setting_flag(
+        g,
         "--cpu-offload-blocks",
-        type=int,
-        default=d.cpu_offload_blocks,
-        help="CPU offload tier per rank, in published blocks, as vLLM's native CPU offloading (0 = none)",
+        e,
+        "cpu_offload_blocks",
+        "CPU offload tier per rank, in published blocks, as vLLM's native CPU offloading (0 = none)",
     )
-    g.add_argument(
+    setting_flag(
+        g,
         "--cpu-load-tokens-per-s",
-        type=float,
-        default=d.cpu_load_tokens_per_s,
-        help=f"CPU->GPU KV load speed ({d.cpu_load_tokens_per_s:g}; ~50 GB/s PCIe Gen5, 128 KiB/token)",
+        e,
+        "cpu_load_tokens_per_s",
+        f"CPU->GPU KV load speed ({_CPU_LOAD_DEFAULT:g}; ~50 GB/s PCIe Gen5, 128 KiB/token)",
     )
-    g.add_argument(
+    setting_flag(
+        g,
         "--prefix-caching-hash-algo",
+        e,
+        "prefix_caching_hash_algo",
+        "what hashes the blocks, as vLLM's flag (sha256; xxhash needs the xxhash package)",
         choices=HASH_ALGOS,
-        default=d.prefix_caching_hash_algo,
-        help="what hashes the blocks, as vLLM's flag (sha256; xxhash needs the xxhash package)",
     )
-    g.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=_DEFAULTS.data_parallel_size,
-        help="DP ranks, each its own cache",
-    )
-    g.add_argument(
-        "--time-scale", type=float, default=_DEFAULTS.time_scale, help="wall seconds per simulated second"
-    )
+    setting_flag(g, "--data-parallel-size", SimSettings, "data_parallel_size", "DP ranks, each its own cache")
+    setting_flag(g, "--time-scale", SimSettings, "time_scale", "wall seconds per simulated second")
     g = p.add_argument_group("KV events (the engine's ZMQ publisher)")
     g.add_argument(
         "--kv-events-port", type=int, default=None, help="PUB port of rank 0; 0 = any; off if unset"
@@ -146,7 +123,7 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     g.add_argument(
         "--kv-replay-port", type=int, default=None, help="ROUTER replay port of rank 0; off if unset"
     )
-    g.add_argument("--kv-topic", default=_KV_DEFAULTS.topic, help="topic frame of every message")
+    setting_flag(g, "--kv-topic", KVEventSettings, "topic", "topic frame of every message")
     g.add_argument(
         "--kv-encoding",
         choices=[e.value for e in EventEncoding],
@@ -166,29 +143,26 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         default=4,
         help="replay replies without (vLLM <= 0.25) or with (>= 0.26) the topic frame",
     )
-    g.add_argument(
-        "--kv-buffer-steps", type=int, default=_KV_DEFAULTS.buffer_steps, help="batches kept for replay"
-    )
+    setting_flag(g, "--kv-buffer-steps", KVEventSettings, "buffer_steps", "batches kept for replay")
     g.add_argument(
         "--published-block-size",
         type=int,
         default=None,
         help="publish coarser blocks than --block-size (a multiple of it), as hybrid models do",
     )
-    g.add_argument(
-        "--kv-drop-probability",
-        type=float,
-        default=_KV_DEFAULTS.faults.drop_probability,
-        help="lose this share of batches",
+    setting_flag(
+        g, "--kv-drop-probability", PublisherFaults, "drop_probability", "lose this share of batches"
     )
-    g.add_argument("--kv-delay-ms", type=float, default=_KV_DELAY_MS, help="publish every batch this late")
-    g.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of the fault injection")
+    setting_flag(
+        g, "--kv-delay-ms", PublisherFaults, "delay_seconds", "publish every batch this late", scale=1000
+    )
+    setting_flag(g, "--seed", SimSettings, "seed", "seed of the fault injection")
     p.set_defaults(handler=run_sim)
 
 
 def sim_settings(args: argparse.Namespace) -> SimSettings:
     """Flags -> settings; ConfigError names the flag that is wrong."""
-    if not args.cpu_offload_blocks and args.cpu_load_tokens_per_s != _ENGINE_DEFAULTS.cpu_load_tokens_per_s:
+    if not args.cpu_offload_blocks and args.cpu_load_tokens_per_s != _CPU_LOAD_DEFAULT:
         raise ConfigError("--cpu-load-tokens-per-s needs --cpu-offload-blocks (no CPU tier to load from)")
     engine = EngineParams(
         block_size=args.block_size,
@@ -224,9 +198,13 @@ def sim_settings(args: argparse.Namespace) -> SimSettings:
         # KV-event flags without a publisher would be silently ignored: say so instead.
         for flag, value, default in (
             ("--kv-replay-port", args.kv_replay_port, None),
-            ("--kv-topic", args.kv_topic, _KV_DEFAULTS.topic),
-            ("--kv-drop-probability", args.kv_drop_probability, _KV_DEFAULTS.faults.drop_probability),
-            ("--kv-delay-ms", args.kv_delay_ms, _KV_DELAY_MS),
+            ("--kv-topic", args.kv_topic, field_default(KVEventSettings, "topic")),
+            (
+                "--kv-drop-probability",
+                args.kv_drop_probability,
+                field_default(PublisherFaults, "drop_probability"),
+            ),
+            ("--kv-delay-ms", args.kv_delay_ms, field_default(PublisherFaults, "delay_seconds") * 1000),
         ):
             if value != default:
                 raise ConfigError(f"{flag} needs --kv-events-port (the publisher it configures is off)")

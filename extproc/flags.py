@@ -1,0 +1,63 @@
+"""Command-line flags that set a settings field take their default, and its type, from the field.
+
+A default is then stated once, in the settings dataclass: ``--help`` (every subcommand uses
+``ArgumentDefaultsHelpFormatter``) and ``docs/flags.md`` show it from there, and a flag cannot
+parse its value as another type than the field holds. serve, sim and reconcile all declare their
+setting flags this way; flags with no field behind them (``--source``, ``--replicas``) stay plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+#: Field annotations a flag parses itself; any other (``Path | None``, an enum) names its ``type=``.
+_PARSED = {"int": int, "float": float, "str": str}
+
+
+def _field(settings: type[Any], name: str) -> dataclasses.Field[Any]:
+    for f in dataclasses.fields(settings):
+        if f.name == name:
+            return f
+    raise LookupError(f"{settings.__name__} has no field {name!r}")
+
+
+def field_default(settings: type[Any], name: str) -> Any:
+    """The default of dataclass field ``name`` of ``settings`` (a factory is called).
+
+    LookupError when there is no such field or it has no default: the parser is built at startup,
+    so a flag pointing at a renamed field fails every test at once rather than at a user.
+    """
+    f = _field(settings, name)
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise LookupError(f"{settings.__name__}.{name} has no default for a flag to show")
+
+
+def setting_flag(
+    group: argparse._ActionsContainer,
+    flag: str,
+    settings: type[Any],
+    name: str,
+    help: str,
+    *,
+    scale: float | None = None,
+    **kwargs: Any,
+) -> argparse.Action:
+    """Add ``flag`` for field ``name`` of ``settings``: its default is the field's, and so is its
+    type when the field is an ``int``, ``float`` or ``str`` (others give ``type=`` or ``action=``).
+
+    ``scale`` is for a flag in other units than its field (``--decode-base-ms`` for seconds): its
+    default is the field's times ``scale`` and it parses a float; the caller scales the value back.
+    """
+    default = field_default(settings, name)
+    annotation = _field(settings, name).type
+    parsed = _PARSED.get(annotation if isinstance(annotation, str) else getattr(annotation, "__name__", ""))
+    if scale is not None:
+        default, parsed = default * scale, float
+    if "action" not in kwargs and "type" not in kwargs and parsed is not None:
+        kwargs["type"] = parsed
+    return group.add_argument(flag, default=default, help=help, **kwargs)
