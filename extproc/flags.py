@@ -1,16 +1,25 @@
-"""Command-line flags that set a settings field take their default, and its type, from the field.
+"""Command-line flags that set a settings field take their default, and its type, from the field,
+and hand their value back to it.
 
 A default is then stated once, in the settings dataclass: ``--help`` (every subcommand uses
 ``ArgumentDefaultsHelpFormatter``) and ``docs/flags.md`` show it from there, and a flag cannot
-parse its value as another type than the field holds. serve, sim and reconcile all declare their
-setting flags this way; flags with no field behind them (``--source``, ``--replicas``) stay plain.
+parse its value as another type than the field holds. A flag in other units than its field
+(``--decode-base-ms`` for seconds) states its scale once, and :func:`flag_values` converts back, so
+no flag can be parsed and then forgotten on the way to its settings. serve, sim and reconcile all
+declare their setting flags this way; flags with no field behind them (``--source``, ``--replicas``)
+or that need more than a unit (``--tokenizer MODEL=PATH``) stay plain and are read by hand.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
+
+#: The parser default (so an attribute of the parsed namespace) that maps each setting flag's dest
+#: to its field. A subcommand's parser keeps its own.
+_BINDINGS = "setting_flags"
 
 #: Field annotations a flag parses itself; any other (``Path | None``, an enum) names its ``type=``.
 _PARSED = {"int": int, "float": float, "str": str}
@@ -51,7 +60,7 @@ def setting_flag(
     type when the field is an ``int``, ``float`` or ``str`` (others give ``type=`` or ``action=``).
 
     ``scale`` is for a flag in other units than its field (``--decode-base-ms`` for seconds): its
-    default is the field's times ``scale`` and it parses a float; the caller scales the value back.
+    default is the field's times ``scale`` and it parses a float; :func:`flag_values` divides it back.
     """
     default = field_default(settings, name)
     annotation = _field(settings, name).type
@@ -60,4 +69,34 @@ def setting_flag(
         default, parsed = default * scale, float
     if "action" not in kwargs and "type" not in kwargs and parsed is not None:
         kwargs["type"] = parsed
-    return group.add_argument(flag, default=default, help=help, **kwargs)
+    action = group.add_argument(flag, default=default, help=help, **kwargs)
+    # An argument group shares its parser's defaults, so every group of a command adds to one map.
+    bindings = dict(group.get_default(_BINDINGS) or {})
+    bindings[action.dest] = _Binding(settings, name, scale, annotation in ("int", int))
+    group.set_defaults(**{_BINDINGS: bindings})
+    return action
+
+
+def flag_values(args: argparse.Namespace, settings: type[Any]) -> dict[str, Any]:
+    """The fields of ``settings`` that its setting flags set, from parsed ``args``, in the field's
+    units: the keyword arguments to build ``settings`` with (besides what is read by hand)."""
+    values: dict[str, Any] = {}
+    for dest, binding in getattr(args, _BINDINGS, {}).items():
+        if binding.settings is settings:
+            values[binding.name] = binding.value(getattr(args, dest))
+    return values
+
+
+@dataclass(frozen=True, slots=True)
+class _Binding:
+    settings: type[Any]
+    name: str
+    scale: float | None
+    #: The field holds an int: a scaled value is cut back to one.
+    integer: bool
+
+    def value(self, parsed: Any) -> Any:
+        if self.scale is None or parsed is None:
+            return parsed
+        unscaled = parsed / self.scale
+        return int(unscaled) if self.integer else unscaled

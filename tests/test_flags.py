@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from extproc.flags import field_default, setting_flag
+from extproc.flags import field_default, flag_values, setting_flag
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,12 @@ class _Settings:
     budget_s: float = 0.25
     limit: int | None = None
     tags: tuple[str, ...] = field(default_factory=lambda: ("x",))
+
+
+@dataclass(frozen=True)
+class _Cache:
+    cache_bytes: int = 64 * 1024 * 1024
+    size: int = 8
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,3 +77,26 @@ def test_a_field_without_default_cannot_back_a_flag() -> None:
 
     with pytest.raises(LookupError, match=r"_Required.port has no default"):
         field_default(_Required, "port")
+
+
+def test_values_go_back_to_their_settings_in_the_field_units() -> None:
+    p = _parser()
+    group = p.add_argument_group("cache")
+    setting_flag(group, "--cache-mb", _Cache, "cache_bytes", "MiB", scale=1 / (1024 * 1024))
+    setting_flag(group, "--cache-size", _Cache, "size", "entries")
+    args = p.parse_args(["--budget-ms", "40", "--cache-mb", "1.5", "--count", "5"])
+    assert _Settings(**flag_values(args, _Settings)) == _Settings(count=5, budget_s=0.04)
+    cache = flag_values(args, _Cache)
+    assert cache == {"cache_bytes": 1_572_864, "size": 8}
+    assert isinstance(cache["cache_bytes"], int)
+
+
+def test_subcommands_keep_their_own_flags() -> None:
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="command", required=True)
+    one, two = sub.add_parser("one"), sub.add_parser("two")
+    setting_flag(one, "--count", _Settings, "count", "how many")
+    setting_flag(two, "--size", _Cache, "size", "entries")
+    assert flag_values(p.parse_args(["one", "--count", "4"]), _Settings) == {"count": 4}
+    assert flag_values(p.parse_args(["one"]), _Cache) == {}
+    assert flag_values(p.parse_args(["two", "--size", "2"]), _Cache) == {"size": 2}

@@ -13,7 +13,7 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 
-from extproc.flags import setting_flag
+from extproc.flags import flag_values, setting_flag
 from extproc.settings import ReconcileSettings, parse_namespaces
 
 
@@ -57,19 +57,11 @@ def reconcile_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> 
     # An empty --namespaces means all, as leaving it out does.
     namespaces = parse_namespaces(args.namespaces or None)
     return ReconcileSettings(
+        **flag_values(args, ReconcileSettings),
         identity=args.identity or environ.get("POD_NAME") or socket.gethostname(),
         kubeconfig=args.kubeconfig,
         namespaces=namespaces,
-        serve_admin=args.serve_admin,
-        serve_poll_interval=args.serve_poll_interval,
-        serve_timeout=args.serve_timeout,
-        lease_name=args.lease_name,
         lease_namespace=args.lease_namespace or environ.get("POD_NAMESPACE") or "default",
-        lease_duration=args.lease_duration,
-        renew_interval=args.lease_renew_interval,
-        retry_interval=args.lease_retry_interval,
-        admin_listen=args.admin_listen,
-        resync_interval=args.resync_interval,
     )
 
 

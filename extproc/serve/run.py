@@ -12,7 +12,7 @@ import asyncio
 from pathlib import Path
 
 from extproc.errors import ConfigError
-from extproc.flags import setting_flag
+from extproc.flags import flag_values, setting_flag
 from extproc.scheduling.registry import DEFAULT_POLICY, POLICIES
 from extproc.settings import (
     CandidateSettings,
@@ -320,41 +320,27 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
 def serve_settings(args: argparse.Namespace) -> ServeSettings:
     """Flags -> settings; ConfigError names the flag that is wrong."""
     return ServeSettings(
+        **flag_values(args, ServeSettings),
         source=SourceSettings.parse(
             args.source,
-            poll_interval=args.source_poll_interval,
-            max_bytes=args.max_catalog_bytes,
+            **flag_values(args, SourceSettings),
             namespaces=args.namespaces,
             kubeconfig=args.kubeconfig,
             pool_name=args.pool_name,
-            pool_namespace=args.pool_namespace,
         ),
-        listen=args.listen,
-        admin_listen=args.admin_listen,
-        max_body_bytes=args.max_body_bytes,
-        max_buffered_bytes=args.max_buffered_bytes,
-        max_fallbacks=args.max_fallbacks,
         candidates=CandidateSettings(
-            prefix_holders=args.candidates_prefix,
-            least_loaded=args.candidates_least_loaded,
-            random=args.candidates_random,
-            score_all=args.score_all_endpoints,
+            **flag_values(args, CandidateSettings), score_all=args.score_all_endpoints
         ),
-        flow=FlowSettings(max_queue=args.max_queue, queue_timeout=args.queue_timeout),
-        drain_seconds=args.drain_seconds,
+        flow=FlowSettings(**flag_values(args, FlowSettings)),
         seed=args.seed,
         prefix=_prefix_settings(args),
         policy=args.policy,
         profiles=args.profiles,
-        calibrate=args.calibrate,
-        malloc_trim_interval=args.malloc_trim_interval,
-        scrape_interval=args.scrape_interval,
         decision_headers=args.decision_headers,
         peer_listen=args.peer_listen,
         peer_key_file=args.peer_key_file,
         peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
         peer_service=args.peer_service,
-        workers=args.workers,
     )
 
 
@@ -365,17 +351,9 @@ def _prefix_settings(args: argparse.Namespace) -> PrefixSettings:
     if orphans:
         raise ConfigError(f"--chat-template for {orphans} needs a --tokenizer for the same model")
     return PrefixSettings(
+        **flag_values(args, PrefixSettings),
         tokenizers=tuple(TokenizerSpec(m, path, templates.get(m)) for m, path in sorted(tokenizers.items())),
         hf_cache=args.hf_cache,
-        index_memory_mib=args.kv_index_memory_mib,
-        index_max_blocks=args.kv_index_max_blocks,
-        index_max_blocks_per_endpoint=args.kv_index_max_blocks_per_endpoint,
-        approx_max_blocks=args.approx_prefix_max_blocks,
-        tokenize_threads=args.tokenize_threads,
-        tokenize_processes=args.tokenize_processes,
-        tokenize_queue=args.tokenize_queue,
-        tokenize_budget=args.tokenize_budget_ms / 1000,
-        tokenize_cache_bytes=int(args.tokenize_cache_mb * 1024 * 1024),
     )
 
 

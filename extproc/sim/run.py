@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.errors import ConfigError
-from extproc.flags import field_default, setting_flag
+from extproc.flags import field_default, flag_values, setting_flag
 from extproc.sim.block_hash import HASH_ALGOS
 from extproc.sim.engine_core import EngineParams
 from extproc.sim.fleet import SimFleet
@@ -165,33 +165,21 @@ def sim_settings(args: argparse.Namespace) -> SimSettings:
     if not args.cpu_offload_blocks and args.cpu_load_tokens_per_s != _CPU_LOAD_DEFAULT:
         raise ConfigError("--cpu-load-tokens-per-s needs --cpu-offload-blocks (no CPU tier to load from)")
     engine = EngineParams(
-        block_size=args.block_size,
-        num_gpu_blocks=args.num_gpu_blocks_override,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        prefill_tokens_per_s=args.prefill_tokens_per_s,
-        decode_base_s=args.decode_base_ms / 1000,
-        decode_per_seq_s=args.decode_per_seq_ms / 1000,
-        published_block_size=args.published_block_size or args.block_size,
-        cpu_offload_blocks=args.cpu_offload_blocks,
-        cpu_load_tokens_per_s=args.cpu_load_tokens_per_s,
-        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        **flag_values(args, EngineParams), published_block_size=args.published_block_size or args.block_size
     )
-    faults = PublisherFaults(drop_probability=args.kv_drop_probability, delay_seconds=args.kv_delay_ms / 1000)
+    faults = PublisherFaults(**flag_values(args, PublisherFaults))
     kv: KVEventSettings | None = None
     if args.engine == "sglang" and args.kv_hash_format is not None:
         raise ConfigError("--kv-hash-format is vLLM's: SGLang publishes signed int64 hashes only")
     if args.kv_events_port is not None:
         default_encoding = EventEncoding.SGLANG if args.engine == "sglang" else EventEncoding.MAPS
         kv = KVEventSettings(
+            **flag_values(args, KVEventSettings),
             port=args.kv_events_port,
             replay_port=args.kv_replay_port,
-            topic=args.kv_topic,
             encoding=EventEncoding(args.kv_encoding or default_encoding),
             hash_format=HashFormat(args.kv_hash_format or HashFormat.INT),
             replay_topic_frame=args.kv_replay_frames == 4,
-            buffer_steps=args.kv_buffer_steps,
             faults=faults,
         )
     else:
@@ -209,21 +197,14 @@ def sim_settings(args: argparse.Namespace) -> SimSettings:
             if value != default:
                 raise ConfigError(f"{flag} needs --kv-events-port (the publisher it configures is off)")
     return SimSettings(
-        engine_kind=args.engine,
-        listen=args.listen,
-        model=args.model,
+        **flag_values(args, SimSettings),
         served_model_names=tuple(args.served_model_name),
         lora_modules=tuple(LoraModule.parse(spec) for spec in args.lora_modules),
         tokenizer=args.tokenizer,
         chat_template=args.chat_template,
-        tokenize_cache_bytes=int(args.tokenize_cache_mb * 1024 * 1024),
         engine=engine,
-        data_parallel_size=args.data_parallel_size,
-        time_scale=args.time_scale,
-        default_output_tokens=args.default_output_tokens,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         kv_events=kv,
-        seed=args.seed,
     )
 
 
