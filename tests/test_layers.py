@@ -24,7 +24,19 @@ BENCH = REPO / "bench"
 #: settings and the flags that set them, the request type, logging/metrics helpers, task, HTTP and
 #: watched-file helpers, the admin HTTP surface.
 CORE = frozenset(
-    {"types", "addresses", "errors", "tasks", "settings", "flags", "openai", "telemetry", "fetch", "files", "admin"}
+    {
+        "types",
+        "addresses",
+        "errors",
+        "tasks",
+        "settings",
+        "flags",
+        "openai",
+        "telemetry",
+        "fetch",
+        "files",
+        "admin",
+    }
 )
 
 #: Package -> the packages it may import (besides itself and CORE).

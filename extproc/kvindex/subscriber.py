@@ -7,25 +7,10 @@ subscriber was not connected for (slow joiner, reconnects, high-water mark), so 
 be trusted if someone checks the seqs and repairs holes. That is this module; it never decodes a
 payload (the sink does, through ``extproc.kvindex.decode``).
 
-Rules, per subscriber (one asyncio task is the single writer of its state and its sink calls):
+One asyncio task per subscriber is the single writer of its state and its sink calls. What a batch
+means (first, next, gap, duplicate, restart) and how replays merge in are decided by
+:class:`~extproc.kvindex.stream_position.StreamPosition`; this module does the I/O around it:
 
-- **First message** (or first after a reset): seq 0 is delivered. seq N > 0 means history was
-  published before we joined: with replay we fetch from 0; without, we deliver from N and report
-  the source incomplete ("joined at seq N without replay").
-- **Gap** (seq > expected): replay from ``expected - 1``. The extra batch is an *anchor*: if the
-  publisher replays different bytes for the last seq we delivered, it is a new incarnation (a
-  restart whose first seqs we missed), so we reset instead of splicing two engines together.
-- **Merge**: replayed batches and the live message that triggered the replay are delivered in seq
-  order, each seq once; holes the replay cannot cover are reported lost (incomplete). Live
-  messages that arrive during the replay wait in the SUB queue; a replay can run ahead of them,
-  so the digests of batches delivered ahead of the live stream are kept until live catches up.
-- **Backwards** (seq < expected): a duplicate only if replay already delivered that exact batch
-  (same seq, same bytes); PUB itself never redelivers, so anything else is a restart:
-  ``on_reset`` and start over as a first connection.
-- **Reconnect**: after the SUB lost its connection, the next message is verified through the
-  anchor replay even if its seq is the expected one (a restarted engine may have reached it).
-  Without replay this case, and a restart whose first seen seq is above ``expected``, cannot be
-  told from a network blip and is reported as a gap.
 - **Bad messages**: not 3 frames or a seq that is not 8 bytes is counted malformed and skipped; a
   payload over ``max_payload_bytes`` is counted, skipped, and its seq reported lost. A frame over
   ``2 * max_payload_bytes`` is never allocated: libzmq drops the connection (ZMQ_MAXMSGSIZE) and,
@@ -33,6 +18,8 @@ Rules, per subscriber (one asyncio task is the single writer of its state and it
   attempt shows up on the socket monitor within ``reconnect_interval_max``; the hole is a gap.
 - The source is complete (``on_completeness(True)``) once synchronised from seq 0 with nothing
   lost, and incomplete from the first loss until the next reset.
+- After a reconnect with replay, the replay socket is asked at once whether the engine restarted
+  (an idle restarted engine publishes nothing), and a restarted one is joined from its buffer.
 """
 
 from __future__ import annotations
@@ -51,6 +38,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from extproc.kvindex.events import Source
+from extproc.kvindex.stream_position import NO_REPLAY, Arrival, Batch, StreamPosition, lost_reason
 from extproc.telemetry import LogLimiter
 
 log = logging.getLogger(__name__)
@@ -157,16 +145,6 @@ class SubscriberStats:
     counters: SubscriberCounters
 
 
-@dataclass(frozen=True, slots=True)
-class _Batch:
-    seq: int
-    #: None when the payload was over ``max_payload_bytes`` (skipped).
-    payload: bytes | None
-    size: int
-    #: Identifies the exact bytes, so a replayed batch can be told from another incarnation's.
-    digest: bytes
-
-
 class KVEventSubscriber:
     """Follows one publisher (one engine DP rank) and hands its batches to ``sink``."""
 
@@ -193,11 +171,8 @@ class KVEventSubscriber:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._counts = SubscriberCounters()
-        self._expected: int | None = None  # next seq; None = not synchronised (first join, reset)
-        self._anchor: bytes | None = None  # digest of the batch at expected - 1
-        self._ahead: dict[int, bytes] = {}  # replayed before the live stream got there: seq -> digest
+        self._position = StreamPosition()
         self._redial_at: float | None = None  # loop time to dial again unless libzmq does
-        self._verify_next = False  # set by a disconnect: check the next message against the anchor
         self._complete: bool | None = None
         self._reason = "not synchronised yet"
         self._connected = False
@@ -253,7 +228,7 @@ class KVEventSubscriber:
             source=self.source,
             running=self._task is not None and not self._task.done(),
             connected=self._connected,
-            last_seq=None if self._expected is None else self._expected - 1,
+            last_seq=None if self._position.expected is None else self._position.expected - 1,
             complete=self._complete,
             reason=self._reason,
             last_message_at=self._last_message_at,
@@ -315,11 +290,11 @@ class KVEventSubscriber:
             self._connected = True
             self._counts.connections += 1
             log.info("kv subscriber connected source=%s pub=%s", self.source, self.pub_address)
-            return self._verify_next
+            return self._position.verify_next
         elif event == zmq.EVENT_DISCONNECTED:
             self._connected = False
             self._counts.disconnects += 1
-            self._verify_next = self._expected is not None
+            self._position.disconnected()
             self._redial_at = asyncio.get_running_loop().time() + self._opts.reconnect_interval_max
             log.info("kv subscriber disconnected source=%s pub=%s", self.source, self.pub_address)
         return False
@@ -336,10 +311,11 @@ class KVEventSubscriber:
         """
         if self.replay_address is None:
             return
-        if self._expected is None:  # told to start over (the engine was gone): join it now
+        position = self._position
+        if position.expected is None:  # told to start over (the engine was gone): join it now
             await self._join_from_replay(self.replay_address)
             return
-        ask = self._expected - 1
+        ask = position.expected - 1
         self._counts.reconnect_checks += 1
         replayed, cause = await self._fetch(self.replay_address, ask)
         if cause is not None:
@@ -349,10 +325,10 @@ class KVEventSubscriber:
             self._reset(f"publisher restarted (its replay buffer no longer holds seq {ask})")
         elif first.seq != ask:
             return  # inconclusive: the next live message is verified as before
-        elif first.digest != self._anchor:
+        elif first.digest != position.anchor:
             self._reset(f"publisher restarted (replayed seq {ask} differs from the one delivered)")
         else:
-            self._verify_next = False  # the same engine: its next message needs no second check
+            position.verify_next = False  # the same engine: its next message needs no second check
             return
         await self._join_from_replay(self.replay_address)
 
@@ -369,8 +345,7 @@ class KVEventSubscriber:
         *earlier, last = replayed
         lost = self._merge(0, last, earlier, cause, joining=True)
         self._count_replay(0, cause, lost)
-        for batch in replayed[-_LIVE_DUPLICATES:]:
-            self._ahead[batch.seq] = batch.digest
+        self._position.remember_ahead(replayed[-_LIVE_DUPLICATES:])
         if self._complete is None:
             self._set_complete(True, "in sync from seq 0")
 
@@ -402,40 +377,34 @@ class KVEventSubscriber:
             self._malformed("live", frames)
             return
         batch = self._batch(frames[1], frames[2])
-        expected = self._expected
-        if expected is None:
-            await self._recover(batch)
-        elif batch.seq < expected:
-            if self._ahead.get(batch.seq) == batch.digest:
-                self._counts.duplicates += 1
-                self._prune_ahead(batch.seq)
-                return
-            self._reset(f"publisher restarted (seq {batch.seq} after {expected - 1})")
-            await self._recover(batch)
-        elif batch.seq == expected and not (self._verify_next and self.replay_address):
-            self._verify_next = False
-            self._prune_ahead(batch.seq)
+        expected = self._position.expected
+        arrival = self._position.arrive(batch, can_verify=self.replay_address is not None)
+        if arrival is Arrival.NEXT:
             self._hand_over(batch)
-        else:
-            if batch.seq > expected:
-                self._counts.gaps += 1
-            self._verify_next = False
-            self._prune_ahead(batch.seq)
-            await self._recover(batch)
+            return
+        if arrival is Arrival.DUPLICATE:
+            self._counts.duplicates += 1
+            return
+        if arrival is Arrival.RESTARTED:
+            assert expected is not None  # only a synchronised stream can go backwards
+            self._reset(f"publisher restarted (seq {batch.seq} after {expected - 1})")
+        elif arrival is Arrival.GAP:
+            self._counts.gaps += 1
+        await self._recover(batch)
 
-    async def _recover(self, trigger: _Batch) -> None:
+    async def _recover(self, trigger: Batch) -> None:
         """Deliver everything up to ``trigger``: on joining (from seq 0), after a gap or a reconnect."""
-        joining = self._expected is None
-        start = 0 if self._expected is None else self._expected
+        expected = self._position.expected
+        joining = expected is None
+        start = 0 if expected is None else expected
         if joining and trigger.seq == 0:
             self._merge(0, trigger, [], None, joining=True)
         elif self.replay_address is None:
-            self._merge(start, trigger, [], "no replay configured", joining=joining)
+            self._merge(start, trigger, [], NO_REPLAY, joining=joining)
         else:
             ask = start if joining else start - 1  # one batch early: the anchor
             replayed, cause = await self._fetch(self.replay_address, ask)
-            first = replayed[0] if replayed else None
-            if not joining and first is not None and first.seq == ask and first.digest != self._anchor:
+            if self._position.contradicted_by(replayed[0] if replayed else None):
                 self._count_replay(ask, cause, 0)
                 self._reset(f"publisher restarted (replayed seq {ask} differs from the one delivered)")
                 await self._recover(trigger)  # now joining: replay again, from 0
@@ -446,24 +415,20 @@ class KVEventSubscriber:
             self._set_complete(True, "in sync from seq 0")
 
     def _merge(
-        self, start: int, trigger: _Batch, replayed: list[_Batch], cause: str | None, *, joining: bool
+        self, start: int, trigger: Batch, replayed: list[Batch], cause: str | None, *, joining: bool
     ) -> int:
         """Hand on replayed batches and the trigger in seq order from ``start``; returns batches lost."""
-        pending = {batch.seq: batch for batch in replayed if batch.seq >= start}
-        pending[trigger.seq] = trigger  # the live copy wins a (theoretical) disagreement
-        cursor, lost = start, 0
-        for seq in sorted(pending):
-            if seq > cursor:
-                lost += seq - cursor
-                self._lose(seq - cursor, _lost_reason(cursor, seq, cause, joining=joining))
-            if seq > trigger.seq:
-                self._ahead[seq] = pending[seq].digest
-            self._hand_over(pending[seq])
-            cursor = seq + 1
+        lost = 0
+        for step in self._position.merge(start, trigger, replayed):
+            if isinstance(step, Batch):
+                self._hand_over(step)
+            else:
+                lost += step.count
+                self._lose(step.count, lost_reason(step, cause, joining=joining))
         return lost
 
-    def _hand_over(self, batch: _Batch) -> None:
-        self._expected, self._anchor = batch.seq + 1, batch.digest
+    def _hand_over(self, batch: Batch) -> None:
+        self._position.handed_on(batch)
         if batch.payload is None:
             limit = self._opts.max_payload_bytes
             self._lose(1, f"batch {batch.seq} skipped: {batch.size} bytes > max_payload_bytes {limit}")
@@ -480,9 +445,7 @@ class KVEventSubscriber:
 
     def _start_over(self, reason: str) -> None:
         """Forget the stream's position: the next message is handled as a first one."""
-        self._expected = self._anchor = None
-        self._ahead.clear()
-        self._verify_next = False
+        self._position.forget()
         self._complete, self._reason = None, reason
 
     def _lose(self, count: int, reason: str) -> None:
@@ -501,11 +464,6 @@ class KVEventSubscriber:
         self._complete, self._reason = complete, reason
         self._notify("on_completeness", self._sink.on_completeness, self.source, complete, reason)
 
-    def _prune_ahead(self, seq: int) -> None:
-        """Forget replayed-ahead digests the live stream has passed (PUB never goes back)."""
-        while self._ahead and (first := next(iter(self._ahead))) <= seq:
-            del self._ahead[first]
-
     def _count_replay(self, start: int, cause: str | None, lost: int) -> None:
         if cause is not None:
             self._counts.replays_failed += 1
@@ -517,13 +475,13 @@ class KVEventSubscriber:
 
     # -- replay ------------------------------------------------------------------------------------
 
-    async def _fetch(self, address: str, start: int) -> tuple[list[_Batch], str | None]:
+    async def _fetch(self, address: str, start: int) -> tuple[list[Batch], str | None]:
         """Every batch the publisher still buffers from ``start`` on, and why it stopped early (or None).
 
         A fresh DEALER per replay, so the replies of a replay that timed out cannot be mistaken
         for the next one's.
         """
-        batches: list[_Batch] = []
+        batches: list[Batch] = []
         dealer = self._socket(zmq.DEALER)
         try:
             dealer.connect(address)
@@ -547,13 +505,13 @@ class KVEventSubscriber:
 
     # -- helpers -----------------------------------------------------------------------------------
 
-    def _batch(self, seq8: bytes, payload: bytes) -> _Batch:
+    def _batch(self, seq8: bytes, payload: bytes) -> Batch:
         seq = int.from_bytes(seq8, "big")
         digest = hashlib.blake2b(payload, digest_size=16).digest()
         if len(payload) <= self._opts.max_payload_bytes:
-            return _Batch(seq, payload, len(payload), digest)
+            return Batch(seq, payload, len(payload), digest)
         self._counts.oversized += 1
-        return _Batch(seq, None, len(payload), digest)
+        return Batch(seq, None, len(payload), digest)
 
     def _malformed(self, where: str, frames: list[bytes]) -> None:
         self._counts.malformed += 1
@@ -581,16 +539,6 @@ class KVEventSubscriber:
             return
         self._logged.add(kind)
         log.error("%s source=%s (further ones are logged at debug)", message, self.source, exc_info=exc)
-
-
-def _lost_reason(first: int, end: int, cause: str | None, *, joining: bool) -> str:
-    """Why batches ``first`` to ``end - 1`` are missing, in the words operators will search for."""
-    if joining and first == 0:
-        if cause == "no replay configured":
-            return f"joined at seq {end} without replay"
-        return f"history before seq {end} lost" + (f" ({cause})" if cause else "")
-    span = f"batch {first}" if end - first == 1 else f"batches {first}-{end - 1}"
-    return f"{span} lost ({cause or 'no longer in the replay buffer'})"
 
 
 def _millis(seconds: float) -> int:
