@@ -110,38 +110,24 @@ class _ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
     pass
 
 
-class _MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """vLLM >= 0.24 ``KVCacheEvent``: a tagged map (``array_like`` was dropped)."""
+# vLLM >= 0.24 sends the same structs as tagged maps (``array_like`` was dropped) and has only added
+# fields since, at the end: declaration order is the map key order, and the full 0.33 list also fixes
+# the map header's width.
 
 
-class _MapBlockStored(_MapEvent, tag="BlockStored"):
-    # Declaration order is the map key order; the full 0.33 list also fixes the header width.
-    block_hashes: list[WireHash]
-    parent_block_hash: WireHash | None
-    token_ids: Sequence[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
+class _MapBlockStored(_ArrayBlockStored, array_like=False, tag="BlockStored"):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
     lookahead_token_ids: list[list[int]] | None = None
 
 
-class _MapBlockRemoved(_MapEvent, tag="BlockRemoved"):
-    block_hashes: list[WireHash]
-    medium: str | None
-    group_idx: int | None = None
+class _MapBlockRemoved(_ArrayBlockRemoved, array_like=False, tag="BlockRemoved"):
     locality: str | None = None
     ownership: str | None = None
 
 
-class _MapAllBlocksCleared(_MapEvent, tag="AllBlocksCleared"):
+class _MapAllBlocksCleared(_ArrayAllBlocksCleared, array_like=False, tag="AllBlocksCleared"):
     pass
 
 
