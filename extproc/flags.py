@@ -38,12 +38,15 @@ def field_default(settings: type[Any], name: str) -> Any:
     LookupError when there is no such field or it has no default: the parser is built at startup,
     so a flag pointing at a renamed field fails every test at once rather than at a user.
     """
-    f = _field(settings, name)
+    return _default(settings, _field(settings, name))
+
+
+def _default(settings: type[Any], f: dataclasses.Field[Any]) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
-    raise LookupError(f"{settings.__name__}.{name} has no default for a flag to show")
+    raise LookupError(f"{settings.__name__}.{f.name} has no default for a flag to show")
 
 
 def setting_flag(
@@ -62,8 +65,8 @@ def setting_flag(
     ``scale`` is for a flag in other units than its field (``--decode-base-ms`` for seconds): its
     default is the field's times ``scale`` and it parses a float; :func:`flag_values` divides it back.
     """
-    default = field_default(settings, name)
-    annotation = _field(settings, name).type
+    f = _field(settings, name)
+    default, annotation = _default(settings, f), f.type
     parsed = _PARSED.get(annotation if isinstance(annotation, str) else getattr(annotation, "__name__", ""))
     if scale is not None:
         default, parsed = default * scale, float

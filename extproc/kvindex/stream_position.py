@@ -83,10 +83,6 @@ class StreamPosition:
     #: Set by a disconnect: the next live batch is verified against the anchor first.
     verify_next: bool = False
 
-    @property
-    def synchronised(self) -> bool:
-        return self.expected is not None
-
     def arrive(self, batch: Batch, *, can_verify: bool) -> Arrival:
         """Judge a live batch; ``can_verify`` is whether a replay socket is configured."""
         expected = self.expected

@@ -30,7 +30,7 @@ def synced_at(seq: int) -> StreamPosition:
 
 def test_before_the_first_batch_every_batch_needs_a_replay_first() -> None:
     position = StreamPosition()
-    assert not position.synchronised
+    assert position.expected is None
     assert position.arrive(batch(0), can_verify=True) is Arrival.UNSURE
     assert position.arrive(batch(7), can_verify=False) is Arrival.UNSURE
 
