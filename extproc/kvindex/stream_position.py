@@ -73,6 +73,11 @@ class Arrival(enum.Enum):
 
 @dataclass(slots=True)
 class StreamPosition:
+    """One stream's position: the next seq, the anchor behind it, and what a replay handed on ahead.
+
+    Its one writer is the subscriber's task, which carries out each verdict before the next batch.
+    """
+
     #: The next seq expected; None while not synchronised (before the first batch, after a reset).
     expected: int | None = None
     #: Digest of the batch at ``expected - 1``: a replay from there must show the same bytes for the
