@@ -67,6 +67,9 @@ def setting_flag(
     """
     f = _field(settings, name)
     default, annotation = _default(settings, f), f.type
+    if annotation in ("bool", bool) and "action" not in kwargs:
+        # Without an action argparse would keep the word itself: "--x false" would set "false", true.
+        raise TypeError(f"{flag}: {settings.__name__}.{name} is a bool, so the flag needs an action=")
     parsed = _PARSED.get(annotation if isinstance(annotation, str) else getattr(annotation, "__name__", ""))
     if scale is not None:
         default, parsed = default * scale, float

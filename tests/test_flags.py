@@ -100,3 +100,15 @@ def test_subcommands_keep_their_own_flags() -> None:
     assert flag_values(p.parse_args(["one", "--count", "4"]), _Settings) == {"count": 4}
     assert flag_values(p.parse_args(["one"]), _Cache) == {}
     assert flag_values(p.parse_args(["two", "--size", "2"]), _Cache) == {"size": 2}
+
+
+def test_a_bool_field_needs_an_action() -> None:
+    @dataclass
+    class _Switches:
+        on: bool = True
+
+    p = argparse.ArgumentParser()
+    with pytest.raises(TypeError, match=r"--on: _Switches\.on is a bool"):
+        setting_flag(p, "--on", _Switches, "on", "switch")
+    setting_flag(p, "--on", _Switches, "on", "switch", action=argparse.BooleanOptionalAction)
+    assert flag_values(p.parse_args(["--no-on"]), _Switches) == {"on": False}
