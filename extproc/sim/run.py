@@ -187,12 +187,13 @@ def sim_settings(args: argparse.Namespace) -> SimSettings:
         for flag, value, default in (
             ("--kv-replay-port", args.kv_replay_port, None),
             ("--kv-topic", args.kv_topic, field_default(KVEventSettings, "topic")),
+            # Compared in the fields' units, so the flags' scale is not stated again here.
             (
                 "--kv-drop-probability",
-                args.kv_drop_probability,
+                faults.drop_probability,
                 field_default(PublisherFaults, "drop_probability"),
             ),
-            ("--kv-delay-ms", args.kv_delay_ms, field_default(PublisherFaults, "delay_seconds") * 1000),
+            ("--kv-delay-ms", faults.delay_seconds, field_default(PublisherFaults, "delay_seconds")),
         ):
             if value != default:
                 raise ConfigError(f"{flag} needs --kv-events-port (the publisher it configures is off)")
